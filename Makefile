@@ -1,0 +1,50 @@
+# polylin: the two README commands (`make demo`, `make test`) and their friends.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+CONSTRAINTS = -c backends/torch-cpu-constraints.txt
+
+.PHONY: help venv demo test test-fast lint docs bench clean
+
+help:
+	@echo "make demo   set up .venv (NumPy + CPU PyTorch) and run the demo table"
+	@echo "make test   set up .venv with every CPU backend and run lint, tests and the docs build"
+	@echo "make docs   build the Sphinx site into docs/_build/html (warnings are errors)"
+	@echo "make bench  run the benchmark; writes bench-results/ (JSON + PNG)"
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Stamp files: each extra set is installed once, re-installed when pyproject changes.
+$(VENV)/.demo-stamp: pyproject.toml backends/torch-cpu-constraints.txt | $(VENV)/bin/python
+	$(PIP) install --quiet $(CONSTRAINTS) -e ".[numpy,torch]"
+	touch $@
+
+$(VENV)/.test-stamp: pyproject.toml backends/torch-cpu-constraints.txt | $(VENV)/bin/python
+	$(PIP) install --quiet $(CONSTRAINTS) -e ".[numpy,torch,strict,jax,dask,test,docs,bench]"
+	touch $@
+
+venv: $(VENV)/.test-stamp
+
+demo: $(VENV)/.demo-stamp
+	$(PY) -m polylin demo
+
+test: $(VENV)/.test-stamp
+	$(PY) -m ruff check polylin tests
+	$(PY) -m pytest
+	$(MAKE) docs
+
+test-fast: $(VENV)/.test-stamp
+	POLYLIN_BACKENDS=numpy,torch $(PY) -m pytest -x -q -m "not slow"
+
+docs: $(VENV)/.test-stamp
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+	$(PY) -m sphinx -W --keep-going -b doctest docs docs/_build/doctest
+
+bench: $(VENV)/.test-stamp
+	$(PY) -m polylin bench --out bench-results
+
+clean:
+	rm -rf $(VENV) docs/_build bench-results .pytest_cache .hypothesis
