@@ -1,1 +1,29 @@
-"""polylin."""
+"""polylin: linear (kernelized, softmax-free) attention on any array-API library.
+
+One implementation, written against the Python array API standard, runs unchanged on NumPy,
+PyTorch, CuPy, JAX, Dask and array-api-strict, and returns arrays of the caller's library, device
+and dtype.
+"""
+
+from . import feature_maps
+from ._state import LinearAttentionState
+from .attention import (
+    METHODS,
+    causal_linear_attention,
+    linear_attention,
+    masked_kernel_attention,
+)
+from .decoding import step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "METHODS",
+    "LinearAttentionState",
+    "__version__",
+    "causal_linear_attention",
+    "feature_maps",
+    "linear_attention",
+    "masked_kernel_attention",
+    "step",
+]

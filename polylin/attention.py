@@ -1,0 +1,277 @@
+"""Public entry points: validate, map features, dispatch to an algorithm."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._chunked import causal_chunked
+from ._namespace import check_attention_inputs, check_options
+from ._prepare import apply_feature_map, check_mask, check_state, finish, to_work_dtype
+from ._quadratic import quadratic
+from ._recurrent import causal_recurrent
+from ._state import LinearAttentionState
+from ._varlen import check_cu_seqlens, length_mask, pack, unpack
+
+__all__ = [
+    "METHODS",
+    "causal_linear_attention",
+    "linear_attention",
+    "masked_kernel_attention",
+]
+
+#: The algorithms of :func:`causal_linear_attention`; they compute the same function.
+METHODS = ("chunked", "recurrent", "quadratic")
+
+FeatureMap = Callable[[Any], Any]
+
+
+def causal_linear_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    /,
+    feature_map: FeatureMap | None = None,
+    *,
+    method: str = "chunked",
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+    initial_state: LinearAttentionState | None = None,
+    return_state: bool = False,
+    attention_mask: Any | None = None,
+    cu_seqlens: Sequence[int] | None = None,
+) -> Any:
+    r"""Causal linear attention: ``o_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)``.
+
+    ``S_t = sum_{s<=t} phi(k_s) v_s^T`` and ``z_t = sum_{s<=t} phi(k_s)``. The three methods
+    compute the same function (to round-off) at different costs.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, shape ``(..., T, d_k)``, any number of leading batch/head dimensions.
+    v : array
+        Values, shape ``(..., T, d_v)``, the same leading dimensions and dtype.
+    feature_map : callable, optional
+        Positive feature map applied to ``q`` and ``k``; default
+        :func:`polylin.feature_maps.elu_plus_one`.
+    method : {"chunked", "recurrent", "quadratic"}
+        ``"chunked"``: the parallel chunkwise form, O(T C d + T d_k d_v), never a T x T matrix.
+        ``"recurrent"``: one state update per token, O(d_k d_v) memory. ``"quadratic"``: the
+        masked kernel form, O(T^2).
+    chunk_size : int
+        Chunk length C of the chunked form (T need not be a multiple of it).
+    eps : float
+        Added to the normalizer ``phi(q_t) . z_t``; must be > 0.
+    initial_state : LinearAttentionState, optional
+        State ``(S, z)`` to continue from, shapes ``(..., d_phi, d_v)`` and ``(..., d_phi)``.
+        With ``cu_seqlens`` there is one per sequence: ``(..., N, d_phi, d_v)``.
+    return_state : bool
+        Also return the state after the last token.
+    attention_mask : array of bool, optional
+        ``(..., T)``, True for real tokens, broadcastable to ``q.shape[:-1]``. Masked keys add to
+        neither S nor z; outputs at masked positions are exactly zero. Left or right padding.
+    cu_seqlens : sequence of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed independent sequences along the T axis.
+
+    Returns
+    -------
+    array or (array, LinearAttentionState)
+        The output, shape ``(..., T, d_v)``, same library, device and dtype as ``q``; with
+        ``return_state`` also the final state (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    TypeError
+        Arrays from different libraries, non-floating dtypes, a non-callable feature map.
+    ValueError
+        Mismatched shapes or devices, an unknown method, ``chunk_size < 1``, ``eps <= 0``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import causal_linear_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((2, 2, 16, 8))
+    >>> v = rng.standard_normal((2, 16, 4))
+    >>> out = causal_linear_attention(q, k, v)
+    >>> out.shape
+    (2, 16, 4)
+    >>> bool(np.allclose(out[:, 0], v[:, 0]))  # position 0 attends to itself only
+    True
+    >>> ref = causal_linear_attention(q, k, v, method="quadratic")
+    >>> bool(np.allclose(out, ref))
+    True
+    """
+    c = check_attention_inputs(q, k, v, causal=True)
+    check_options(eps=eps, chunk_size=chunk_size)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if cu_seqlens is not None:
+        if attention_mask is not None:
+            raise ValueError("pass attention_mask or cu_seqlens, not both")
+        offsets = check_cu_seqlens(cu_seqlens, q.shape[-2])
+        max_len = max(b - a for a, b in zip(offsets, offsets[1:]))
+        out, state = causal_linear_attention(
+            *(pack(c.xp, x, offsets, max_len) for x in (q, k, v)),
+            feature_map,
+            method=method,
+            chunk_size=chunk_size,
+            eps=eps,
+            initial_state=initial_state,
+            return_state=True,
+            attention_mask=length_mask(c.xp, offsets, max_len, c.device),
+        )
+        out = unpack(c.xp, out, offsets)
+        return (out, state) if return_state else out
+
+    fq, fk = apply_feature_map(c, feature_map, q, k)
+    v = to_work_dtype(c, v)
+    mask = None
+    if attention_mask is not None:
+        mask = check_mask(c, attention_mask, q.shape[-2])
+        fk = fk * mask
+    S, z = check_state(
+        c, initial_state, c.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
+    )
+    xp = c.xp
+    if method == "chunked":
+        out, S, z = causal_chunked(xp, fq, fk, v, S, z, chunk_size=chunk_size, eps=eps)
+    elif method == "recurrent":
+        out, S, z = causal_recurrent(xp, fq, fk, v, S, z, eps=eps)
+    else:
+        out, S, z = quadratic(xp, fq, fk, v, S, z, causal=True, eps=eps)
+    out = finish(c, out, mask)
+    return (out, LinearAttentionState(S, z)) if return_state else out
+
+
+def linear_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    /,
+    feature_map: FeatureMap | None = None,
+    *,
+    eps: float = 1e-6,
+    attention_mask: Any | None = None,
+) -> Any:
+    """Non-causal linear attention: every query attends to every key.
+
+    ``o_i = phi(q_i) S / (phi(q_i) . z + eps)`` with ``S = phi(K)^T V`` and ``z = phi(K)^T 1``,
+    computed in O(T d_k d_v); the query length may differ from the key length.
+
+    Parameters
+    ----------
+    q : array
+        Queries, shape ``(..., T_q, d_k)``.
+    k : array
+        Keys, shape ``(..., T_k, d_k)``.
+    v : array
+        Values, shape ``(..., T_k, d_v)``.
+    feature_map : callable, optional
+        Positive feature map; default :func:`polylin.feature_maps.elu_plus_one`.
+    eps : float
+        Added to the normalizer; must be > 0.
+    attention_mask : array of bool, optional
+        ``(..., T_k)``, True for real keys; masked keys add to neither S nor z. When
+        ``T_q == T_k`` (self-attention) the outputs at masked positions are also zero.
+
+    Returns
+    -------
+    array
+        Shape ``(..., T_q, d_v)``, same library, device and dtype as ``q``.
+
+    Raises
+    ------
+    TypeError
+        Arrays from different libraries, non-floating dtypes.
+    ValueError
+        Mismatched shapes or devices, ``eps <= 0``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import linear_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((3, 8))   # 3 queries
+    >>> k = rng.standard_normal((5, 8))   # 5 keys
+    >>> v = np.ones((5, 2))
+    >>> linear_attention(q, k, v)         # weights sum to one: the mean of equal values
+    array([[1., 1.],
+           [1., 1.],
+           [1., 1.]])
+    """
+    c = check_attention_inputs(q, k, v, causal=False)
+    check_options(eps=eps)
+    xp = c.xp
+    fq, fk = apply_feature_map(c, feature_map, q, k)
+    v = to_work_dtype(c, v)
+    query_mask = None
+    if attention_mask is not None:
+        mask = check_mask(c, attention_mask, k.shape[-2])
+        fk = fk * mask
+        query_mask = mask if q.shape[-2] == k.shape[-2] else None
+    S = xp.matmul(xp.matrix_transpose(fk), v)
+    z = xp.sum(fk, axis=-2)
+    out = xp.matmul(fq, S) / (xp.matmul(fq, z[..., None]) + eps)
+    return finish(c, out, query_mask)
+
+
+def masked_kernel_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    /,
+    feature_map: FeatureMap | None = None,
+    *,
+    causal: bool = True,
+    eps: float = 1e-6,
+) -> Any:
+    """The quadratic reference: ``A = tril(phi(Q) phi(K)^T)``, ``O = A V / (A 1 + eps)``.
+
+    Exact and simple, O(T^2) time and memory: use it to check the linear forms and for short
+    sequences. ``causal=False`` drops the mask (then ``T_q`` may differ from ``T_k``).
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, shape ``(..., T, d_k)``.
+    v : array
+        Values, shape ``(..., T, d_v)``.
+    feature_map : callable, optional
+        Positive feature map; default :func:`polylin.feature_maps.elu_plus_one`.
+    causal : bool
+        Apply the lower-triangular mask (query t sees keys s <= t).
+    eps : float
+        Added to the row sums ``A 1``; must be > 0.
+
+    Returns
+    -------
+    array
+        Shape ``(..., T_q, d_v)``, same library, device and dtype as ``q``.
+
+    Raises
+    ------
+    TypeError
+        Arrays from different libraries, non-floating dtypes.
+    ValueError
+        Mismatched shapes or devices, ``eps <= 0``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import masked_kernel_attention
+    >>> q = k = np.zeros((3, 2))          # phi(0) = 1: equal weights on the visible keys
+    >>> v = np.array([[3.0], [1.0], [2.0]])
+    >>> masked_kernel_attention(q, k, v)  # running means 3, (3+1)/2, (3+1+2)/3
+    array([[3.],
+           [2.],
+           [2.]])
+    """
+    c = check_attention_inputs(q, k, v, causal=causal)
+    check_options(eps=eps)
+    fq, fk = apply_feature_map(c, feature_map, q, k)
+    v = to_work_dtype(c, v)
+    S, z = check_state(c, None, c.batch_shape, fq.shape[-1], v.shape[-1], name="state")
+    out, _, _ = quadratic(c.xp, fq, fk, v, S, z, causal=causal, eps=eps)
+    return finish(c, out, None)

@@ -1,0 +1,82 @@
+"""Token-by-token decoding with a fixed-size state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._namespace import check_attention_inputs, check_options
+from ._prepare import apply_feature_map, check_state, finish, to_work_dtype
+from ._recurrent import recurrent_step
+from ._state import LinearAttentionState
+from .attention import FeatureMap
+
+__all__ = ["step"]
+
+
+def step(
+    q_t: Any,
+    k_t: Any,
+    v_t: Any,
+    /,
+    state: LinearAttentionState | None = None,
+    feature_map: FeatureMap | None = None,
+    *,
+    eps: float = 1e-6,
+) -> tuple[Any, LinearAttentionState]:
+    """Attend one new token: update the state with ``(k_t, v_t)`` and read it with ``q_t``.
+
+    Cost and memory are O(d_phi d_v) whatever the position: the state replaces a KV cache.
+    Running ``step`` over a sequence gives the same outputs as
+    :func:`~polylin.causal_linear_attention`, and a state returned by that function (e.g. after
+    a chunked prefill) continues here.
+
+    Parameters
+    ----------
+    q_t, k_t : array
+        Query and key of the new token, shape ``(..., d_k)``.
+    v_t : array
+        Value of the new token, shape ``(..., d_v)``.
+    state : LinearAttentionState, optional
+        The state before this token; ``None`` starts from zeros.
+    feature_map : callable, optional
+        Positive feature map; default :func:`polylin.feature_maps.elu_plus_one`. Use the one
+        the state was built with.
+    eps : float
+        Added to the normalizer; must be > 0.
+
+    Returns
+    -------
+    o_t : array
+        Shape ``(..., d_v)``, same library, device and dtype as ``q_t``.
+    state : LinearAttentionState
+        The state after this token (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    TypeError
+        Arrays from different libraries, non-floating dtypes, a malformed state.
+    ValueError
+        Mismatched shapes or devices, ``eps <= 0``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import causal_linear_attention, step
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 10, 4))
+    >>> prompt, state = causal_linear_attention(q[:6], k[:6], v[:6], return_state=True)
+    >>> outputs = []
+    >>> for t in range(6, 10):
+    ...     o_t, state = step(q[t], k[t], v[t], state)
+    ...     outputs.append(o_t)
+    >>> whole = causal_linear_attention(q, k, v)
+    >>> bool(np.allclose(np.stack(outputs), whole[6:]))
+    True
+    """
+    c = check_attention_inputs(q_t, k_t, v_t, causal=True, single_token=True)
+    check_options(eps=eps)
+    fq, fk = apply_feature_map(c, feature_map, q_t, k_t)
+    v_t = to_work_dtype(c, v_t)
+    S, z = check_state(c, state, c.batch_shape, fq.shape[-1], v_t.shape[-1], name="state")
+    o_t, S, z = recurrent_step(c.xp, fq, fk, v_t, S, z, eps)
+    return finish(c, o_t, None), LinearAttentionState(S, z)

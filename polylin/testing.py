@@ -1,0 +1,195 @@
+"""Backend drivers shared by the tests, the benchmark and the CLI.
+
+Each :class:`Backend` knows whether it can run here (and why not), its array namespace and device,
+how to make an array from a NumPy array on that device, how to bring a result back to NumPy, and
+how to wait for queued work before a timer stops. Downstream users can use the drivers to
+cross-check their own array-API code on every library installed.
+
+This module (with ``__main__``) is the only place in polylin that imports array libraries, and
+it imports each one lazily, only when that backend is used.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import os
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+__all__ = ["STRICT_API_VERSION", "Backend", "selected_backends"]
+
+#: The standard version array-api-strict is pinned to in tests.
+STRICT_API_VERSION = "2024.12"
+
+
+class Backend(enum.Enum):
+    """The array libraries (and devices) polylin is tested on.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.testing import Backend
+    >>> b = Backend.NUMPY
+    >>> b.unavailable_reason() is None
+    True
+    >>> x = b.from_numpy(np.ones((2, 3), dtype=np.float32))
+    >>> b.to_numpy(x * 2).sum()
+    np.float32(12.0)
+    """
+
+    NUMPY = "numpy"
+    ARRAY_API_STRICT = "array_api_strict"
+    TORCH = "torch"
+    TORCH_CUDA = "torch:cuda"
+    CUPY = "cupy"
+    JAX = "jax"
+    DASK = "dask"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def library(self) -> str:
+        """The importable module name of the array library."""
+        return {"jax": "jax.numpy", "dask": "dask.array"}.get(
+            self.value.split(":")[0], self.value.split(":")[0]
+        )
+
+    @property
+    def is_gpu(self) -> bool:
+        """Whether arrays of this backend live on a GPU."""
+        return self in (Backend.TORCH_CUDA, Backend.CUPY)
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` if this backend can run here, else a short reason to show in a skip."""
+        return _unavailable_reason(self)
+
+    def available(self) -> bool:
+        """Whether this backend can run here."""
+        return self.unavailable_reason() is None
+
+    def module(self) -> Any:
+        """The array library's own module (``numpy``, ``torch``, ``cupy``, ...)."""
+        mod = importlib.import_module(self.library)
+        if self is Backend.ARRAY_API_STRICT:
+            mod.set_array_api_strict_flags(
+                api_version=STRICT_API_VERSION, boolean_indexing=False, data_dependent_shapes=False
+            )
+        if self is Backend.JAX:
+            importlib.import_module("jax").config.update("jax_enable_x64", True)
+        return mod
+
+    def namespace(self) -> Any:
+        """The array-API namespace polylin resolves for this backend's arrays."""
+        import array_api_compat
+
+        return array_api_compat.array_namespace(self.from_numpy(np.zeros(1)))
+
+    @property
+    def device(self) -> Any:
+        """The device arrays are created on (``None`` for the library default)."""
+        if self is Backend.TORCH:
+            return self.module().device("cpu")
+        if self is Backend.TORCH_CUDA:
+            return self.module().device("cuda")
+        return None
+
+    def float_dtypes(self) -> list[str]:
+        """Names of the floating dtypes this backend supports, widest first."""
+        names = ["float64", "float32"]
+        if self is not Backend.ARRAY_API_STRICT:
+            names.append("float16")
+        if self in (Backend.TORCH, Backend.TORCH_CUDA, Backend.JAX):
+            names.append("bfloat16")
+        return names
+
+    def dtype(self, name: str) -> Any:
+        """The library's dtype object called ``name``."""
+        if self is Backend.DASK:
+            return np.dtype(name)
+        return getattr(self.module(), name)
+
+    def from_numpy(self, x: np.ndarray, dtype: str | None = None, chunks: Any = None) -> Any:
+        """A copy of ``x`` as an array of this backend on its device, optionally cast to ``dtype``.
+
+        ``chunks`` is passed to Dask (default: one chunk) and ignored elsewhere.
+        """
+        mod = self.module()
+        x = np.asarray(x)
+        if self in (Backend.TORCH, Backend.TORCH_CUDA):
+            out = mod.asarray(x.copy(), device=self.device)
+        elif self is Backend.DASK:
+            out = mod.from_array(x.copy(), chunks=chunks if chunks is not None else -1)
+        else:
+            out = mod.asarray(x.copy())
+        return out if dtype is None else self._cast(out, dtype)
+
+    def _cast(self, x: Any, dtype: str) -> Any:
+        return self.namespace().astype(x, self.dtype(dtype))
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """A NumPy copy of ``x`` (computing it if lazy); 16-bit floats come back as float32."""
+        if self in (Backend.TORCH, Backend.TORCH_CUDA):
+            x = x.detach()
+            if x.dtype == self.module().bfloat16:
+                x = x.float()
+            return x.cpu().numpy()
+        if self is Backend.CUPY:
+            return x.get()
+        if self is Backend.DASK:
+            return np.asarray(x.compute())
+        if self is Backend.ARRAY_API_STRICT:
+            return np.asarray(x._array)
+        out = np.asarray(x)
+        return out.astype(np.float32) if out.dtype.kind == "V" or "bfloat16" in str(out.dtype) else out
+
+    def synchronize(self, x: Any = None) -> Any:
+        """Wait for queued device work (and compute a lazy ``x``); returns ``x``."""
+        if self is Backend.TORCH_CUDA:
+            self.module().cuda.synchronize()
+        elif self is Backend.CUPY:
+            self.module().cuda.get_current_stream().synchronize()
+        elif self is Backend.JAX and x is not None:
+            x.block_until_ready()
+        elif self is Backend.DASK and x is not None:
+            x = x.compute()
+        return x
+
+
+@cache
+def _unavailable_reason(backend: Backend) -> str | None:
+    try:
+        mod = importlib.import_module(backend.library)
+    except Exception as exc:  # ImportError, or a broken install raising something else
+        return f"{backend.library} is not installed ({type(exc).__name__}: {exc})"
+    try:
+        if backend is Backend.TORCH_CUDA and not mod.cuda.is_available():
+            return "no CUDA device (torch.cuda.is_available() is False)"
+        if backend is Backend.CUPY:
+            try:
+                count = mod.cuda.runtime.getDeviceCount()
+            except Exception as exc:
+                return f"no CUDA device for CuPy ({type(exc).__name__})"
+            if count < 1:
+                return "no CUDA device for CuPy"
+        if backend is Backend.DASK:
+            importlib.import_module("dask.array")
+        backend.namespace()
+    except Exception as exc:
+        return f"{backend} cannot run here ({type(exc).__name__}: {exc})"
+    return None
+
+
+def selected_backends(env_var: str = "POLYLIN_BACKENDS") -> list[Backend]:
+    """The backends named in ``$POLYLIN_BACKENDS`` (comma separated), or all of them."""
+    names = os.environ.get(env_var, "").strip()
+    if not names:
+        return list(Backend)
+    try:
+        return [Backend(n.strip()) for n in names.split(",") if n.strip()]
+    except ValueError:
+        known = ", ".join(b.value for b in Backend)
+        raise ValueError(f"{env_var}={names!r}: unknown backend; known: {known}") from None
