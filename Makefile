@@ -23,7 +23,7 @@ $(VENV)/.demo-stamp: pyproject.toml backends/torch-cpu-constraints.txt | $(VENV)
 	touch $@
 
 $(VENV)/.test-stamp: pyproject.toml backends/torch-cpu-constraints.txt | $(VENV)/bin/python
-	$(PIP) install --quiet $(CONSTRAINTS) -e ".[numpy,torch,strict,jax,dask,test,docs,bench]"
+	$(PIP) install --quiet $(CONSTRAINTS) -e ".[numpy,torch,strict,jax,dask,cupy,test,docs,bench]"
 	touch $@
 
 venv: $(VENV)/.test-stamp

@@ -15,7 +15,7 @@ import array_api_compat
 from ._namespace import Checked, namespace_of
 from .feature_maps import elu_plus_one
 
-__all__ = ["apply_feature_map", "check_mask", "finish", "check_state", "to_work_dtype"]
+__all__ = ["apply_feature_map", "check_mask", "check_state", "finish", "to_work_dtype"]
 
 
 def to_work_dtype(c: Checked, x: Any) -> Any:

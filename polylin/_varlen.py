@@ -11,6 +11,7 @@ looking at data; the cost is that of a batch of ``N`` sequences of the longest l
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 from ._ops import pad_rows
@@ -32,13 +33,13 @@ def check_cu_seqlens(cu_seqlens: Sequence[int], total: int) -> list[int]:
         raise ValueError(
             f"cu_seqlens must start at 0 and end at the sequence length {total}, got {offsets}"
         )
-    if any(b < a for a, b in zip(offsets, offsets[1:])):
+    if any(b < a for a, b in pairwise(offsets)):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
     return offsets
 
 
 def _spans(offsets: list[int]) -> list[tuple[int, int]]:
-    return list(zip(offsets, offsets[1:]))
+    return list(pairwise(offsets))
 
 
 def pack(xp: Any, x: Any, offsets: list[int], max_len: int) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 from ._chunked import causal_chunked
@@ -111,7 +112,7 @@ def causal_linear_attention(
         if attention_mask is not None:
             raise ValueError("pass attention_mask or cu_seqlens, not both")
         offsets = check_cu_seqlens(cu_seqlens, q.shape[-2])
-        max_len = max(b - a for a, b in zip(offsets, offsets[1:]))
+        max_len = max(b - a for a, b in pairwise(offsets))
         out, state = causal_linear_attention(
             *(pack(c.xp, x, offsets, max_len) for x in (q, k, v)),
             feature_map,

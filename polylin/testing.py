@@ -140,11 +140,12 @@ class Backend(enum.Enum):
         if self is Backend.CUPY:
             return x.get()
         if self is Backend.DASK:
-            return np.asarray(x.compute())
+            return np.asarray(x.compute() if hasattr(x, "compute") else x)
         if self is Backend.ARRAY_API_STRICT:
             return np.asarray(x._array)
         out = np.asarray(x)
-        return out.astype(np.float32) if out.dtype.kind == "V" or "bfloat16" in str(out.dtype) else out
+        # JAX's bfloat16 (ml_dtypes) is not a NumPy float kind: widen it for NumPy users.
+        return out.astype(np.float32) if "bfloat16" in str(out.dtype) else out
 
     def synchronize(self, x: Any = None) -> Any:
         """Wait for queued device work (and compute a lazy ``x``); returns ``x``."""
