@@ -33,9 +33,12 @@ def apply_feature_map(
         raise TypeError(
             f"feature_map must be a callable from array to array, got {type(feature_map).__name__}"
         )
+    # A map may treat queries differently (FAVOR+ shifts each query row by its max, which
+    # cancels between numerator and normalizer; a per-key shift would not): see ``map_query``.
+    map_query = getattr(feature_map, "map_query", feature_map)
     mapped = []
-    for name, x in (("q", q), ("k", k)):
-        fx = feature_map(to_work_dtype(c, x))
+    for name, x, phi in (("q", q, map_query), ("k", k, feature_map)):
+        fx = phi(to_work_dtype(c, x))
         if not array_api_compat.is_array_api_obj(fx) or tuple(fx.shape[:-1]) != tuple(
             x.shape[:-1]
         ):

@@ -55,7 +55,9 @@ def causal_linear_attention(
         Values, shape ``(..., T, d_v)``, the same leading dimensions and dtype.
     feature_map : callable, optional
         Positive feature map applied to ``q`` and ``k``; default
-        :func:`polylin.feature_maps.elu_plus_one`.
+        :func:`polylin.feature_maps.elu_plus_one`. If it has a ``map_query`` method, that maps the
+        queries (any per-query scale cancels in the normalization; see
+        :func:`polylin.feature_maps.favor_plus`).
     method : {"chunked", "recurrent", "quadratic"}
         ``"chunked"``: the parallel chunkwise form, O(T C d + T d_k d_v), never a T x T matrix.
         ``"recurrent"``: one state update per token, O(d_k d_v) memory. ``"quadratic"``: the
