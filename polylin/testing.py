@@ -46,6 +46,7 @@ class Backend(enum.Enum):
     TORCH_CUDA = "torch:cuda"
     CUPY = "cupy"
     JAX = "jax"
+    JAX_CUDA = "jax:cuda"
     DASK = "dask"
 
     def __str__(self) -> str:
@@ -61,7 +62,7 @@ class Backend(enum.Enum):
     @property
     def is_gpu(self) -> bool:
         """Whether arrays of this backend live on a GPU."""
-        return self in (Backend.TORCH_CUDA, Backend.CUPY)
+        return self in (Backend.TORCH_CUDA, Backend.CUPY, Backend.JAX_CUDA)
 
     def unavailable_reason(self) -> str | None:
         """``None`` if this backend can run here, else a short reason to show in a skip."""
@@ -78,7 +79,7 @@ class Backend(enum.Enum):
             mod.set_array_api_strict_flags(
                 api_version=STRICT_API_VERSION, boolean_indexing=False, data_dependent_shapes=False
             )
-        if self is Backend.JAX:
+        if self in (Backend.JAX, Backend.JAX_CUDA):
             importlib.import_module("jax").config.update("jax_enable_x64", True)
         return mod
 
@@ -95,6 +96,8 @@ class Backend(enum.Enum):
             return self.module().device("cpu")
         if self is Backend.TORCH_CUDA:
             return self.module().device("cuda")
+        if self is Backend.JAX_CUDA:
+            return importlib.import_module("jax").devices("gpu")[0]
         return None
 
     def float_dtypes(self) -> list[str]:
@@ -102,7 +105,7 @@ class Backend(enum.Enum):
         names = ["float64", "float32"]
         if self is not Backend.ARRAY_API_STRICT:
             names.append("float16")
-        if self in (Backend.TORCH, Backend.TORCH_CUDA, Backend.JAX):
+        if self in (Backend.TORCH, Backend.TORCH_CUDA, Backend.JAX, Backend.JAX_CUDA):
             names.append("bfloat16")
         return names
 
@@ -119,7 +122,7 @@ class Backend(enum.Enum):
         """
         mod = self.module()
         x = np.asarray(x)
-        if self in (Backend.TORCH, Backend.TORCH_CUDA):
+        if self in (Backend.TORCH, Backend.TORCH_CUDA, Backend.JAX_CUDA):
             out = mod.asarray(x.copy(), device=self.device)
         elif self is Backend.DASK:
             out = mod.from_array(x.copy(), chunks=chunks if chunks is not None else -1)
@@ -153,7 +156,7 @@ class Backend(enum.Enum):
             self.module().cuda.synchronize()
         elif self is Backend.CUPY:
             self.module().cuda.get_current_stream().synchronize()
-        elif self is Backend.JAX and x is not None:
+        elif self in (Backend.JAX, Backend.JAX_CUDA) and x is not None:
             x.block_until_ready()
         elif self is Backend.DASK and x is not None:
             x = x.compute()
@@ -176,6 +179,11 @@ def _unavailable_reason(backend: Backend) -> str | None:
                 return f"no CUDA device for CuPy ({type(exc).__name__})"
             if count < 1:
                 return "no CUDA device for CuPy"
+        if backend is Backend.JAX_CUDA:
+            try:
+                importlib.import_module("jax").devices("gpu")
+            except Exception as exc:  # RuntimeError: no gpu platform in this jaxlib
+                return f"no CUDA device for JAX ({type(exc).__name__})"
         if backend is Backend.DASK:
             importlib.import_module("dask.array")
         backend.namespace()

@@ -162,5 +162,7 @@ def test_seed_doctest_torch():
 
 
 def test_default_backend_list_names_every_driver():
-    expected = {"numpy", "array_api_strict", "torch", "torch:cuda", "cupy", "jax", "dask"}
+    expected = {
+        "numpy", "array_api_strict", "torch", "torch:cuda", "cupy", "jax", "jax:cuda", "dask"
+    }
     assert {b.value for b in Backend} == expected
