@@ -1,0 +1,252 @@
+"""JAX transformations: every entry point under ``jax.jit`` and ``jax.vmap``, and ``jax.grad``.
+
+The same polylin functions run unchanged inside traced JAX code: no in-place updates, no Python
+control flow on array values, and the chunk size, method and other options are static (plain
+Python values closed over with ``functools.partial`` or named in ``static_argnames``). Arrays,
+attention masks and initial states may be traced arguments. Runs on ``jax`` (CPU) and on
+``jax:cuda`` where JAX sees a GPU; float64 is enabled by the driver.
+"""
+
+from __future__ import annotations
+
+import functools
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+import polylin
+from polylin import (
+    LinearAttentionState,
+    causal_linear_attention,
+    linear_attention,
+    masked_kernel_attention,
+    step,
+)
+from polylin.testing import Backend
+
+from .conftest import BACKENDS
+from .reference import ATOL, masked_kernel
+
+JAX_BACKENDS = [b for b in (Backend.JAX, Backend.JAX_CUDA) if b in BACKENDS]
+
+# The recurrent form unrolls one step per token into the traced program: keep T short so that
+# compiling it stays fast. T = 21 is not a multiple of the chunk size 8 (a padded last chunk).
+LEAD, T, D_K, D_V, CHUNK = (2, 3), 21, 6, 5, 8
+
+
+@pytest.fixture(params=[pytest.param(b, id=str(b)) for b in JAX_BACKENDS])
+def jb(request) -> Backend:
+    """The JAX drivers (``jax``, ``jax:cuda``); unusable ones skip with the reason."""
+    b: Backend = request.param
+    reason = b.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"[{b}] {reason}")
+    b.module()  # enables x64 before any array is made
+    return b
+
+
+@pytest.fixture
+def jax():
+    return pytest.importorskip("jax")
+
+
+def _qkv(rng, lead=LEAD, t=T, d_k=D_K, d_v=D_V):
+    return (
+        rng.standard_normal((*lead, t, d_k)),
+        rng.standard_normal((*lead, t, d_k)),
+        rng.standard_normal((*lead, t, d_v)),
+    )
+
+
+def _check_jax_output(jb, out, like):
+    """``out`` is a concrete JAX array on ``like``'s device with ``like``'s dtype."""
+    import jax
+
+    assert isinstance(out, jax.Array)
+    assert out.devices() == like.devices()
+    assert out.dtype == like.dtype
+
+
+@pytest.mark.parametrize("method", polylin.METHODS)
+def test_jit_partial_matches_reference(jb, jax, method, rng):
+    arrays = _qkv(rng)
+    xs = [jb.from_numpy(a) for a in arrays]
+    traces = []
+
+    def attend(q, k, v):
+        traces.append(type(q).__name__)  # runs only while JAX traces, with tracers
+        return causal_linear_attention(q, k, v, method=method, chunk_size=CHUNK)
+
+    fn = jax.jit(attend)
+    out = fn(*xs)
+    _check_jax_output(jb, out, xs[0])
+    np.testing.assert_allclose(jb.to_numpy(out), masked_kernel(*arrays), rtol=0, atol=1e-10)
+    # A second call with new values of the same shape reuses the compiled program.
+    arrays2 = _qkv(rng)
+    out2 = fn(*(jb.from_numpy(a) for a in arrays2))
+    np.testing.assert_allclose(jb.to_numpy(out2), masked_kernel(*arrays2), rtol=0, atol=1e-10)
+    assert len(traces) == 1 and "Tracer" in traces[0]
+    # The same through functools.partial, the form the docs show.
+    fn = jax.jit(functools.partial(causal_linear_attention, method=method, chunk_size=CHUNK))
+    np.testing.assert_allclose(jb.to_numpy(fn(*xs)), masked_kernel(*arrays), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("method", polylin.METHODS)
+def test_jit_static_argnames_with_state(jb, jax, method, rng):
+    """Options as static keyword arguments; the state comes back as a traced pytree."""
+    arrays = _qkv(rng)
+    xs = [jb.from_numpy(a) for a in arrays]
+    fn = jax.jit(
+        causal_linear_attention, static_argnames=("method", "chunk_size", "eps", "return_state")
+    )
+    out, state = fn(*xs, method=method, chunk_size=CHUNK, eps=1e-6, return_state=True)
+    assert isinstance(state, LinearAttentionState)
+    _check_jax_output(jb, out, xs[0])
+    _check_jax_output(jb, state.S, xs[0])
+    np.testing.assert_allclose(jb.to_numpy(out), masked_kernel(*arrays), rtol=0, atol=1e-10)
+    _, expected = causal_linear_attention(*arrays, return_state=True)  # NumPy, eager
+    np.testing.assert_allclose(jb.to_numpy(state.S), expected.S, rtol=1e-12, atol=1e-10)
+    np.testing.assert_allclose(jb.to_numpy(state.z), expected.z, rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("method", polylin.METHODS)
+def test_jit_traced_mask_and_initial_state(jb, jax, method, rng):
+    """A traced attention mask and a traced initial state (continuing a prefix) under jit."""
+    arrays = _qkv(rng)
+    mask = rng.random((*LEAD, T)) > 0.3
+    mask[..., 0] = True
+    fn = jax.jit(functools.partial(causal_linear_attention, method=method, chunk_size=CHUNK))
+    xs = [jb.from_numpy(a) for a in arrays]
+    out = fn(*xs, attention_mask=jb.from_numpy(mask))
+    np.testing.assert_allclose(
+        jb.to_numpy(out), masked_kernel(*arrays, mask=mask), rtol=0, atol=1e-10
+    )
+
+    cut = 9
+    with_state = jax.jit(
+        lambda q, k, v, state: causal_linear_attention(
+            q, k, v, method=method, chunk_size=CHUNK, initial_state=state
+        )
+    )
+    _, prefix = causal_linear_attention(*(x[..., :cut, :] for x in xs), return_state=True)
+    tail = with_state(*(x[..., cut:, :] for x in xs), prefix)
+    np.testing.assert_allclose(
+        jb.to_numpy(tail), masked_kernel(*arrays)[..., cut:, :], rtol=0, atol=1e-10
+    )
+
+
+def test_jit_cu_seqlens(jb, jax, rng):
+    """Packed sequences: the offsets are static Python ints, the arrays traced."""
+    offsets = [0, 5, 5, 13, T]
+    arrays = _qkv(rng, lead=(2,))
+    fn = jax.jit(functools.partial(causal_linear_attention, chunk_size=4, cu_seqlens=offsets))
+    out = jb.to_numpy(fn(*(jb.from_numpy(a) for a in arrays)))
+    for a, b in pairwise(offsets):
+        piece = [x[..., a:b, :] for x in arrays]
+        np.testing.assert_allclose(out[..., a:b, :], masked_kernel(*piece), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("t_q", [1, T, 30])
+def test_jit_linear_attention(jb, jax, t_q, rng):
+    q = rng.standard_normal((*LEAD, t_q, D_K))
+    _, k, v = _qkv(rng)
+    mask = rng.random((*LEAD, T)) > 0.5
+    mask[..., 0] = True
+    fn = jax.jit(linear_attention)
+    xs = [jb.from_numpy(a) for a in (q, k, v)]
+    out = fn(*xs)
+    _check_jax_output(jb, out, xs[0])
+    np.testing.assert_allclose(
+        jb.to_numpy(out), masked_kernel(q, k, v, causal=False), rtol=0, atol=1e-10
+    )
+    masked = fn(*xs, attention_mask=jb.from_numpy(mask))
+    np.testing.assert_allclose(
+        jb.to_numpy(masked), masked_kernel(q, k, v, causal=False, mask=mask), rtol=0, atol=1e-10
+    )
+
+
+def test_jit_masked_kernel_and_step(jb, jax, rng):
+    arrays = _qkv(rng)
+    xs = [jb.from_numpy(a) for a in arrays]
+    out = jax.jit(functools.partial(masked_kernel_attention, causal=True))(*xs)
+    np.testing.assert_allclose(jb.to_numpy(out), masked_kernel(*arrays), rtol=0, atol=1e-10)
+
+    # Decoding: one jitted step, reused for every token, carrying the state as a pytree.
+    jitted_step = jax.jit(step)
+    state = None
+    outputs = []
+    for t in range(T):
+        o_t, state = jitted_step(*(x[..., t, :] for x in xs), state)
+        outputs.append(jb.to_numpy(o_t))
+    np.testing.assert_allclose(
+        np.stack(outputs, axis=-2), masked_kernel(*arrays), rtol=0, atol=1e-10
+    )
+
+
+@pytest.mark.parametrize("method", polylin.METHODS)
+def test_vmap_over_batch_axis(jb, jax, method, rng):
+    """``vmap`` over a leading axis, alone and inside ``jit``; also over a non-leading axis."""
+    arrays = _qkv(rng, lead=(4,))
+    xs = [jb.from_numpy(a) for a in arrays]
+    single = functools.partial(causal_linear_attention, method=method, chunk_size=CHUNK)
+    expected = masked_kernel(*arrays)
+    out = jax.vmap(single)(*xs)  # each call sees one (T, d) sequence
+    assert tuple(out.shape) == (4, T, D_V)
+    np.testing.assert_allclose(jb.to_numpy(out), expected, rtol=0, atol=1e-10)
+    out = jax.jit(jax.vmap(single))(*xs)
+    np.testing.assert_allclose(jb.to_numpy(out), expected, rtol=0, atol=1e-10)
+    # Batch on axis 1 of the inputs, produced on axis 0 of the outputs.
+    swapped = [jax.numpy.swapaxes(x, 0, 1) for x in xs]  # (T, 4, d)
+    out = jax.vmap(single, in_axes=1)(*swapped)
+    np.testing.assert_allclose(jb.to_numpy(out), expected, rtol=0, atol=1e-10)
+
+
+def test_vmap_with_state_and_mask(jb, jax, rng):
+    arrays = _qkv(rng, lead=(3,))
+    mask = rng.random((3, T)) > 0.3
+    xs = [jb.from_numpy(a) for a in arrays]
+    fn = jax.vmap(
+        lambda q, k, v, m: causal_linear_attention(
+            q, k, v, chunk_size=CHUNK, attention_mask=m, return_state=True
+        )
+    )
+    out, state = fn(*xs, jb.from_numpy(mask))
+    np.testing.assert_allclose(
+        jb.to_numpy(out), masked_kernel(*arrays, mask=mask), rtol=0, atol=1e-10
+    )
+    _, expected = causal_linear_attention(*arrays, attention_mask=mask, return_state=True)
+    assert tuple(state.S.shape) == (3, D_K, D_V)
+    np.testing.assert_allclose(jb.to_numpy(state.S), expected.S, rtol=1e-12, atol=1e-10)
+    np.testing.assert_allclose(jb.to_numpy(state.z), expected.z, rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("method", ["chunked", "recurrent"])
+def test_grad_matches_quadratic(jb, jax, method, rng):
+    """The forms are differentiable (no in-place updates) and share their gradients."""
+    t = 12  # the recurrent form's gradient program grows with T
+    arrays = _qkv(rng, lead=(2,), t=t)
+    xs = [jb.from_numpy(a) for a in arrays]
+    weights = jb.from_numpy(rng.standard_normal((2, t, D_V)))
+
+    def loss(q, k, v, method):
+        out = causal_linear_attention(q, k, v, method=method, chunk_size=CHUNK)
+        return jax.numpy.sum(out * weights)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnames="method")
+    got = grads(*xs, method=method)
+    want = grads(*xs, method="quadratic")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(jb.to_numpy(g), jb.to_numpy(w), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jit_low_precision(jb, jax, dtype, rng):
+    """Half inputs accumulate in float32 under jit too and come back in their own dtype."""
+    from .reference import rounded
+
+    arrays = [rounded(a, dtype) for a in _qkv(rng)]
+    xs = [jb.from_numpy(a, dtype) for a in arrays]
+    out = jax.jit(functools.partial(causal_linear_attention, chunk_size=CHUNK))(*xs)
+    _check_jax_output(jb, out, xs[0])
+    np.testing.assert_allclose(jb.to_numpy(out), masked_kernel(*arrays), rtol=0, atol=ATOL[dtype])
