@@ -14,7 +14,7 @@ class LinearAttentionState(NamedTuple):
     does not depend on how many tokens it summarizes: this is what replaces a softmax KV cache.
     For half-precision inputs both are kept in float32.
 
-    Attributes
+    Parameters
     ----------
     S : array
         Shape ``(..., d_phi, d_v)``, where ``d_phi`` is the feature size of ``phi(k)`` (``d_k``

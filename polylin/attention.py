@@ -42,7 +42,7 @@ def causal_linear_attention(
     attention_mask: Any | None = None,
     cu_seqlens: Sequence[int] | None = None,
 ) -> Any:
-    r"""Causal linear attention: ``o_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)``.
+    r"""Causal linear attention: ``o_t = phi(q_t) S_t / (phi(q_t) @ z_t + eps)``.
 
     ``S_t = sum_{s<=t} phi(k_s) v_s^T`` and ``z_t = sum_{s<=t} phi(k_s)``. The three methods
     compute the same function (to round-off) at different costs.
@@ -199,7 +199,7 @@ def linear_attention(
     >>> q = rng.standard_normal((3, 8))   # 3 queries
     >>> k = rng.standard_normal((5, 8))   # 5 keys
     >>> v = np.ones((5, 2))
-    >>> linear_attention(q, k, v)         # weights sum to one: the mean of equal values
+    >>> linear_attention(q, k, v).round(6)  # weights sum to one (up to eps): the mean of ones
     array([[1., 1.],
            [1., 1.],
            [1., 1.]])
@@ -266,7 +266,7 @@ def masked_kernel_attention(
     >>> from polylin import masked_kernel_attention
     >>> q = k = np.zeros((3, 2))          # phi(0) = 1: equal weights on the visible keys
     >>> v = np.array([[3.0], [1.0], [2.0]])
-    >>> masked_kernel_attention(q, k, v)  # running means 3, (3+1)/2, (3+1+2)/3
+    >>> masked_kernel_attention(q, k, v).round(5)  # running means 3, (3+1)/2, (3+1+2)/3
     array([[3.],
            [2.],
            [2.]])
