@@ -20,6 +20,7 @@ PyTorch, CuPy, JAX, Dask and array-api-strict.
   python -m polylin demo       run every method on every usable backend; print errors and times
   python -m polylin backends   list the backends and why an unusable one cannot run here
   python -m polylin bench      benchmark methods, backends and sequence lengths (JSON + plot)
+  python -m polylin bench-gpu  GPU benchmark against fla, SDPA and the seed loop (JSON + plot)
 
 Library use:  from polylin import causal_linear_attention;  out = causal_linear_attention(q, k, v)
 """
@@ -93,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"polylin {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,backends,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,backends,bench,bench-gpu}")
 
     p_demo = sub.add_parser("demo", help="run every method on every usable backend")
     p_demo.add_argument("--batch", type=int, default=4, help="batch x heads (default 4)")
@@ -113,6 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p_bench = sub.add_parser("bench", help="benchmark methods, backends and lengths")
     add_arguments(p_bench)
+
+    from .bench import gpu  # the GPU benchmark (backends/gpu-check.sh runs it); lazy imports
+
+    p_bench_gpu = sub.add_parser(
+        "bench-gpu", help="GPU benchmark: polylin vs seed loop, quadratic, SDPA, fla"
+    )
+    gpu.add_arguments(p_bench_gpu)
 
     args = parser.parse_args(argv)
     if args.command is None:
