@@ -31,6 +31,7 @@ import array_api_compat
 
 __all__ = [
     "FAVOR_MAX_KEY_EXPONENT",
+    "FAVOR_MAX_QUERY_EXPONENT",
     "RELU_EPS",
     "DPFPFeatureMap",
     "FavorPlusFeatureMap",
@@ -45,9 +46,14 @@ __all__ = [
 #: Added by :func:`relu` so that a row of features is never all zero.
 RELU_EPS = 1e-6
 
-#: Largest exponent a :func:`favor_plus` key feature may reach, whatever the key: keeps
-#: ``exp`` and the sums over many keys finite in float32 (whose ``exp`` overflows above ~88.7).
+#: Largest exponent a :func:`favor_plus` key feature may reach, whatever the key (while
+#: ``max_i |w_i|**2 / 2 <= FAVOR_MAX_KEY_EXPONENT + FAVOR_MAX_QUERY_EXPONENT``, i.e. up to
+#: ``dim`` of about 200): keeps ``exp`` and the sums over many keys finite in float32, whose
+#: ``exp`` overflows above about 88.7.
 FAVOR_MAX_KEY_EXPONENT = 64.0
+
+#: Largest exponent a :func:`favor_plus` query feature may reach (the cap on ``key_offset``).
+FAVOR_MAX_QUERY_EXPONENT = 80.0
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -311,8 +317,8 @@ class FavorPlusFeatureMap:
         Whether the projection rows come in orthogonal blocks.
     key_offset : float
         Data-independent constant subtracted from every key exponent (and added to every query
-        exponent): ``max(0, min(max_i |w_i|**2 / 2 - FAVOR_MAX_KEY_EXPONENT,
-        FAVOR_MAX_KEY_EXPONENT))``; zero unless ``dim`` is large (above about 100).
+        exponent): ``max_i |w_i|**2 / 2 - FAVOR_MAX_KEY_EXPONENT``, clipped to
+        ``[0, FAVOR_MAX_QUERY_EXPONENT]``; zero unless ``dim`` is large (above about 100).
     """
 
     def __init__(self, dim: int, num_features: int, seed: int, orthogonal: bool) -> None:
@@ -327,7 +333,7 @@ class FavorPlusFeatureMap:
         rows = _favor_projection(dim, num_features, seed, orthogonal)
         self._matrix = [list(col) for col in zip(*rows)]  # (dim, num_features), for x @ W
         bound = max(math.fsum(a * a for a in row) for row in rows) / 2.0
-        self.key_offset = max(0.0, min(bound - FAVOR_MAX_KEY_EXPONENT, FAVOR_MAX_KEY_EXPONENT))
+        self.key_offset = min(max(0.0, bound - FAVOR_MAX_KEY_EXPONENT), FAVOR_MAX_QUERY_EXPONENT)
         self._cache: dict[tuple[str, str, str], Any] = {}
 
     def __repr__(self) -> str:
@@ -364,7 +370,8 @@ class FavorPlusFeatureMap:
 
         No data-dependent shift: a shift that depended on the key would not cancel, and one that
         depended on other keys would break causality, state passing and ``step``. The exponent is
-        at most ``max_i |w_i|**2 / 2 - key_offset <= FAVOR_MAX_KEY_EXPONENT`` for any ``x``.
+        at most ``max_i |w_i|**2 / 2 - key_offset`` for any ``x``: ``FAVOR_MAX_KEY_EXPONENT``
+        unless ``dim`` is above about 200.
         """
         xp = array_api_compat.array_namespace(x)
         exponent = self._exponent(x)
@@ -403,10 +410,13 @@ def favor_plus(
     Numerically stabilized: queries (:meth:`FavorPlusFeatureMap.map_query`) are shifted by their
     row maximum, which cancels exactly between numerator and normalizer; keys get no
     data-dependent shift (it would not cancel, and would break causality and state passing).
-    A key exponent is at most ``max_i |w_i|^2 / 2`` whatever the key; where that could overflow
-    float32 (``dim`` above about 100) a data-independent constant ``key_offset`` is subtracted
-    from every key exponent and added back to every query exponent, so the weights are
-    unchanged.
+    A key exponent is at most ``max_i |w_i|^2 / 2`` (about ``dim / 2``) whatever the key; where
+    that could overflow float32 (``dim`` above about 100) a data-independent constant
+    ``key_offset`` is subtracted from every key exponent and added back to every query exponent,
+    so the weights ``phi(q) . phi(k)`` are unchanged (a key-only offset would shrink them all
+    and let ``eps`` dominate the normalizer). This bounds every feature for ``dim`` up to about
+    200; beyond, keys nearly aligned with a projection row and of norm about ``dim**0.75`` can
+    still overflow float32.
 
     The projection has ``num_features`` rows in orthogonal blocks of ``dim`` Gaussian rows with
     chi-distributed norms (or i.i.d. Gaussian rows with ``orthogonal=False``). It is drawn once,
