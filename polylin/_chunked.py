@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from array_api_compat import device
+from array_api_compat import device, is_dask_namespace
 
 from ._ops import causal_mask, pad_rows
 
@@ -49,7 +49,9 @@ def causal_chunked(
     V = xp.reshape(v1, (*batch, n_chunks, chunk, d_v + 1))
     mask = causal_mask(xp, chunk, chunk, fq.dtype, dev)
 
-    per_block = max(1, BLOCK_TOKENS // chunk)
+    # Blocks keep eager intermediates in cache. A Dask chunk is already a unit of work: there,
+    # blocks would only multiply the tasks (and split Dask chunks), so all chunks form one block.
+    per_block = n_chunks if is_dask_namespace(xp) else max(1, BLOCK_TOKENS // chunk)
     outputs = []
     for start in range(0, n_chunks, per_block):
         stop = min(start + per_block, n_chunks)

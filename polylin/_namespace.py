@@ -81,6 +81,16 @@ def _check_floating(xp: Any, name: str, x: Any) -> None:
         raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
 
 
+def _check_known_shape(name: str, x: Any) -> None:
+    # Lazy libraries may not know a size until they compute (the standard says None, Dask
+    # says nan); every algorithm needs static sizes to lay out its chunks.
+    if any(s is None or (isinstance(s, float) and s != s) for s in x.shape):
+        raise ValueError(
+            f"{name} has unknown dimensions {tuple(x.shape)}; polylin needs every size known "
+            f"(for a Dask array, call {name}.compute_chunk_sizes() first)"
+        )
+
+
 def check_attention_inputs(
     q: Any, k: Any, v: Any, *, causal: bool, single_token: bool = False
 ) -> Checked:
@@ -97,6 +107,7 @@ def check_attention_inputs(
     core, layout = (1, "(..., d)") if single_token else (2, "(..., T, d)")
     for name, x in zip(names, (q, k, v)):
         _check_floating(xp, name, x)
+        _check_known_shape(name, x)
         if x.ndim < core:
             raise ValueError(
                 f"{name} must have at least {core} dimensions {layout}, got shape {tuple(x.shape)}"
