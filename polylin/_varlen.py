@@ -56,5 +56,7 @@ def unpack(xp: Any, y: Any, offsets: list[int]) -> Any:
 
 def length_mask(xp: Any, offsets: list[int], max_len: int, dev: Any) -> Any:
     """Boolean ``(N, max_len)``: True where a padded row holds a real token."""
-    lengths = xp.asarray([b - a for a, b in _spans(offsets)], device=dev)
-    return xp.arange(max_len, device=dev)[None, :] < lengths[:, None]
+    # Compared with Python ints rather than an array of lengths: building that array would be a
+    # blocking host-to-device copy on a GPU (flagged by tests/test_gpu_device.py).
+    positions = xp.arange(max_len, device=dev)
+    return xp.stack([positions < (b - a) for a, b in _spans(offsets)], axis=0)
