@@ -20,7 +20,7 @@ import polylin  # noqa: E402
 
 project = "polylin"
 author = "the polylin authors"
-copyright = "2026, the polylin authors"  # noqa: A001
+copyright = "2026, the polylin authors"
 version = release = polylin.__version__
 
 extensions = [
@@ -73,7 +73,9 @@ numpydoc_validation_checks = {"all", "ES01", "SA01"}
 # PR01 ("parameters not documented") is waived for the Backend enum: numpydoc reads the
 # signature of EnumType.__call__ (value, names, module, qualname, type, start, boundary), which is
 # not an interface of polylin; ``Backend("torch")`` looks a member up by its value.
-numpydoc_validation_overrides = {"PR01": r"^The array libraries \(and devices\) polylin is tested on"}
+numpydoc_validation_overrides = {
+    "PR01": r"^The array libraries \(and devices\) polylin is tested on",
+}
 numpydoc_validation_exclude = {
     r"^polylin\.METHODS$",
     r"^polylin\.feature_maps\.[A-Z][A-Z0-9_]*$",

@@ -12,10 +12,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
 
 STATIC = Path(__file__).resolve().parent / "_static"
 COLORS = ["#ffffff", "#f28e2b", "#4e79a7"]  # masked, intra-chunk, through the state
@@ -57,7 +57,8 @@ def chunked_form(path: Path, T: int = 16, C: int = 4, d: int = 128) -> None:
     kv_cache = 2 * lengths * d  # one key and one value of size d per token
     state = np.full_like(lengths, d * (d + 1))  # S (d x d) and z (d)
     bx.loglog(lengths, kv_cache, color="#e15759", linewidth=2, label="softmax KV cache: $2Td$")
-    bx.loglog(lengths, state, color=COLORS[2], linewidth=2, label="linear attention state: $d(d+1)$")
+    label = "linear attention state: $d(d+1)$"
+    bx.loglog(lengths, state, color=COLORS[2], linewidth=2, label=label)
     bx.set_xlabel("tokens seen T")
     bx.set_ylabel(f"numbers stored per head (d = {d})")
     bx.set_title("Decoding memory per head and layer", fontsize=10)
