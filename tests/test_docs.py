@@ -228,7 +228,7 @@ def test_page_examples_needing_a_backend(block: Block) -> None:
     for backend in block.requires:
         reason = backend.unavailable_reason()
         if reason is not None:
-            pytest.skip(f"[{backend}] {reason}")
+            pytest.skip(f"[{backend}] {reason} ({block.id})")
     namespace: dict = {"__name__": f"docs.{block.page.stem}"}
     for earlier in BLOCKS[block.page.name]:
         if earlier.lineno >= block.lineno:
