@@ -5,13 +5,14 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 CONSTRAINTS = -c backends/torch-cpu-constraints.txt
 
-.PHONY: help venv demo test test-fast lint docs bench clean
+.PHONY: help venv demo test test-fast lint docs bench gpu-wheels clean
 
 help:
 	@echo "make demo   set up .venv (NumPy + CPU PyTorch) and run the demo table"
 	@echo "make test   set up .venv with every CPU backend and run lint, tests and the docs build"
 	@echo "make docs   build the Sphinx site into docs/_build/html (warnings are errors)"
 	@echo "make bench  run the benchmark; writes bench-results/ (JSON + PNG)"
+	@echo "make gpu-wheels  fetch the wheels the GPU machine lacks into .whl/ (docs/gpu.md)"
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +48,13 @@ docs: $(VENV)/.test-stamp
 
 bench: $(VENV)/.test-stamp
 	$(PY) -m polylin bench --out bench-results
+
+# What the GPU machine lacks (Python 3.12 there), for backends/gpu-check.sh; see docs/gpu.md.
+GPU_WHEELS = array-api-compat==1.16.0 array-api-strict==2.6.1 fla-core==0.6.0
+gpu-wheels: $(VENV)/bin/python
+	$(PIP) download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) docs/_build docs/api/generated bench-results .pytest_cache .hypothesis

@@ -659,6 +659,8 @@ def _plot(report: dict, out_dir: Path) -> Path | None:
     combos = sorted({(r["d"], r["dtype"]) for r in ok})
     if not combos:
         return None
+    every = sorted({(r["impl"], r["backend"]) for r in ok})
+    colors = {s: f"C{i % 10}" for i, s in enumerate(every)}  # one colour per series, all panels
     fig, axes = plt.subplots(len(PASSES), len(combos), figsize=(4.2 * len(combos), 7),
                              squeeze=False, sharex=True)
     for col, (d, dtype) in enumerate(combos):
@@ -671,7 +673,7 @@ def _plot(report: dict, out_dir: Path) -> Path | None:
                              and r["backend"] == backend and r["d"] == d
                              and r["dtype"] == dtype and r["pass"] == p)
                 ax.plot([t for t, _ in pts], [s * 1e3 for _, s in pts], marker="o",
-                        label=f"{impl} [{backend}]")
+                        color=colors[(impl, backend)], label=f"{impl} [{backend}]")
             if p == "forward":
                 for s in report["seed_loop"]:
                     if s.get("status") == "ok" and s["d"] == d and s["dtype"] == dtype:

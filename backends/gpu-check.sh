@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# polylin's GPU check, in one go (docs/gpu.md explains it):
+#   1. records the machine (nvidia-smi, versions, TF32-related settings)          -> env.txt
+#   2. installs what the machine lacks from carried wheels in .whl/, offline, into a
+#      --target folder, and makes polylin importable from the working tree
+#   3. runs the device correctness tests on torch:cuda and CuPy                    -> tests-device.log
+#   4. runs the whole test suite on torch:cuda and CuPy                            -> tests.log, tests-junit.xml
+#   5. runs the GPU benchmark                                                      -> bench.log, bench-gpu.json, bench-gpu.png
+#   6. prints a short summary                                                      -> summary.txt
+# Everything goes to $OUT (default ./gpu-check-out), at most 8 files. Each step has a timeout,
+# taken from what is left of GPU_CHECK_TOTAL_S (default 470 s, inside the 8 minutes asked for),
+# so the script always ends and always leaves its logs. Exit status: 0 when every step passed.
+#
+# On the GPU machine (repository root):   bash backends/gpu-check.sh
+# Dry run of the script itself on a CPU:  GPU_CHECK_MODE=cpu PYTHON=.venv/bin/python bash backends/gpu-check.sh
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu-check-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SITE=${GPU_CHECK_SITE:-/tmp/site}
+MODE=${GPU_CHECK_MODE:-gpu}            # gpu | cpu (dry run: same steps, CPU backends, tiny sizes)
+TOTAL=${GPU_CHECK_TOTAL_S:-470}
+T0=$(date +%s)
+
+elapsed() { echo $(($(date +%s) - T0)); }
+say() { echo "[gpu-check $(elapsed)s] $*"; }
+# budget WANT RESERVE: WANT seconds, or less so that RESERVE seconds stay for the later steps.
+budget() {
+    local left=$((TOTAL - $(elapsed) - $2))
+    local b=$(($1 < left ? $1 : left))
+    echo $((b > 5 ? b : 5))
+}
+declare -A RC
+STEPS=()
+record() { RC[$1]=$2; STEPS+=("$1"); say "$1: exit $2"; }
+
+if [ "$MODE" = cpu ]; then
+    BACKENDS=torch,numpy
+    BENCH_ARGS=(--device cpu --seq-lens 256 128 --dims 16 --batch 1 --heads 2 --repeats 2
+                --seed-loop-len 16 --matmul-size 128)
+    SUITE=(tests/test_gpu_device.py tests/test_bench_gpu.py)
+else
+    BACKENDS=torch:cuda,cupy
+    BENCH_ARGS=(--device cuda)
+    # The benchmark's CPU smoke test adds nothing here: the real benchmark runs in step 5.
+    SUITE=(tests/ --ignore=tests/test_gpu_device.py --ignore=tests/test_bench_gpu.py)
+fi
+
+# ---- 1. the machine -------------------------------------------------------------------------
+say "mode $MODE, python $PY, output $OUT"
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "TF32-related environment as found (the script then unsets the overrides, CUPY_TF32=0):"
+    for v in TORCH_ALLOW_TF32_CUBLAS_OVERRIDE NVIDIA_TF32_OVERRIDE CUPY_TF32; do
+        echo "  $v=${!v-<unset>}"
+    done
+    timeout 20 nvidia-smi 2>&1 || echo "nvidia-smi: not available"
+    timeout 60 "$PY" - <<'EOF' 2>&1
+import importlib, platform, sys
+print("python", sys.version.split()[0], platform.machine())
+for name in ("numpy", "torch", "cupy", "triton", "fla", "array_api_compat", "array_api_strict",
+             "hypothesis", "matplotlib", "pytest", "jax"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"{name} {getattr(mod, '__version__', '?')} ({getattr(mod, '__file__', '?')})")
+    except Exception as exc:
+        print(f"{name}: not importable before the wheels ({type(exc).__name__})")
+try:
+    import torch
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        print(f"torch sees {p.name}, {p.total_memory / 2**30:.0f} GiB, cuda {torch.version.cuda}")
+    print("float32 matmul precision:", torch.get_float32_matmul_precision(),
+          "allow_tf32:", torch.backends.cuda.matmul.allow_tf32)
+except Exception as exc:
+    print("torch probe failed:", exc)
+EOF
+} >"$OUT/env.txt" 2>&1
+say "machine recorded in env.txt"
+
+# TF32 is left to the libraries' defaults (torch: off for float32 matmuls; CuPy: off); the test
+# session pins torch to "highest" (tests/conftest.py). Overrides in the image would hide that.
+unset TORCH_ALLOW_TF32_CUBLAS_OVERRIDE NVIDIA_TF32_OVERRIDE
+export CUPY_TF32=0
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# JAX (in the image) would take 75% of the GPU memory if a test touched it on the GPU.
+export JAX_PLATFORMS=cpu XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+# ---- 2. offline install ---------------------------------------------------------------------
+rc=0
+if compgen -G ".whl/*.whl" >/dev/null; then
+    timeout "$(budget 60 400)" "$PY" -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target "$SITE" .whl/*.whl >>"$OUT/env.txt" 2>&1 || rc=$?
+else
+    echo "no .whl/*.whl carried: using what is installed" >>"$OUT/env.txt"
+fi
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+if ! timeout 60 "$PY" -c "import polylin, array_api_compat, array_api_strict, hypothesis
+print('polylin', polylin.__version__, 'from', polylin.__file__)" >>"$OUT/env.txt" 2>&1; then
+    [ "$rc" = 0 ] && rc=1
+fi
+record install "$rc"
+PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rfEs)
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    PYTEST+=(--timeout 90)  # one hung test must not eat the whole step
+fi
+
+# ---- 3. device correctness tests ------------------------------------------------------------
+say "device tests (POLYLIN_BACKENDS=$BACKENDS)"
+POLYLIN_BACKENDS=$BACKENDS timeout -k 10 "$(budget 90 330)" "${PYTEST[@]}" \
+    tests/test_gpu_device.py >"$OUT/tests-device.log" 2>&1
+record device-tests $?
+
+# ---- 4. the test suite ----------------------------------------------------------------------
+# Not -x: one GPU run should report every failure it can, so stop only after many.
+say "test suite (POLYLIN_BACKENDS=$BACKENDS)"
+POLYLIN_BACKENDS=$BACKENDS timeout -k 10 "$(budget 170 160)" "${PYTEST[@]}" --maxfail=25 \
+    --junitxml="$OUT/tests-junit.xml" "${SUITE[@]}" >"$OUT/tests.log" 2>&1
+record test-suite $?
+
+# ---- 5. the benchmark -----------------------------------------------------------------------
+# The benchmark stops starting measurements at its own budget and writes JSON after every
+# cell; the hard timeout leaves it 45 s to finish the one under way, plot and summarize.
+hard=$(budget 600 15)
+soft=$((hard > 60 ? hard - 45 : hard / 2))
+say "benchmark: --time-budget $soft s, hard limit $hard s"
+timeout -k 10 "$hard" "$PY" -m polylin bench-gpu "${BENCH_ARGS[@]}" --out "$OUT" \
+    --time-budget "$soft" >"$OUT/bench.log" 2>&1
+record benchmark $?
+
+# ---- 6. summary -----------------------------------------------------------------------------
+{
+    echo "polylin GPU check ($MODE) in $(elapsed) s; output in $OUT"
+    for s in "${STEPS[@]}"; do echo "  $s: exit ${RC[$s]}"; done
+    echo "device tests: $(grep -E '(passed|failed|error|skipped)' "$OUT/tests-device.log" | tail -1)"
+    echo "test suite:   $(grep -E '(passed|failed|error|skipped)' "$OUT/tests.log" | tail -1)"
+    grep -E '^(FAILED|ERROR) ' "$OUT/tests-device.log" "$OUT/tests.log" | head -40
+    if [ -s "$OUT/bench-gpu.json" ]; then
+        timeout 30 "$PY" -m polylin bench-gpu --summary-of "$OUT/bench-gpu.json" 2>&1
+    else
+        echo "benchmark: no bench-gpu.json; last lines of bench.log:"
+        tail -20 "$OUT/bench.log"
+    fi
+} >"$OUT/summary.txt" 2>&1
+cat "$OUT/summary.txt"
+status=0
+for s in "${STEPS[@]}"; do [ "${RC[$s]}" = 0 ] || status=1; done
+say "done, exit $status"
+exit $status
