@@ -170,6 +170,7 @@ html_title = f"polylin {release}"
 html_static_path = ["_static"]
 html_theme_options = {
     "navigation_with_keys": False,
+    "header_links_before_dropdown": 6,
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],
 }
