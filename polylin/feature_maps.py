@@ -199,10 +199,32 @@ def taylor_exp(x: Any, /) -> Any:
 class DPFPFeatureMap:
     """Deterministic parameter-free projection features; made by :func:`dpfp`.
 
+    Calling the object maps ``x`` of shape ``(..., d)`` to ``(..., 2 * d * nu)`` non-negative
+    features. Prefer the factory :func:`dpfp`, which documents the map.
+
+    Parameters
+    ----------
+    nu : int
+        Number of rolls, ``>= 1``.
+
     Attributes
     ----------
     nu : int
         Number of rolls; the output has ``2 * d * nu`` features.
+
+    See Also
+    --------
+    dpfp : The factory, with the formula.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.feature_maps import DPFPFeatureMap
+    >>> phi = DPFPFeatureMap(1)
+    >>> phi(np.array([[1.0, -2.0]]))  # r = [1, 0, 0, 2]; r * roll(r, 1) = [2, 0, 0, 0]
+    array([[2., 0., 0., 0.]])
+    >>> phi.num_features(2)
+    4
     """
 
     def __init__(self, nu: int) -> None:
@@ -303,7 +325,19 @@ class FavorPlusFeatureMap:
     """Performer's positive random features for the softmax kernel; made by :func:`favor_plus`.
 
     Keys are mapped by calling the object, queries by :meth:`map_query` (the attention functions
-    do this automatically).
+    do this automatically). Prefer the factory :func:`favor_plus`, which documents the map; the
+    class is public for ``isinstance`` checks and type hints.
+
+    Parameters
+    ----------
+    dim : int
+        Size of the inputs' last axis, ``>= 1``.
+    num_features : int
+        Number of random features, ``>= 1``.
+    seed : int
+        Seed of the projection.
+    orthogonal : bool
+        Orthogonal blocks of rows, or i.i.d. Gaussian rows.
 
     Attributes
     ----------
@@ -319,6 +353,20 @@ class FavorPlusFeatureMap:
         Data-independent constant subtracted from every key exponent (and added to every query
         exponent): ``max_i |w_i|**2 / 2 - FAVOR_MAX_KEY_EXPONENT``, clipped to
         ``[0, FAVOR_MAX_QUERY_EXPONENT]``; zero unless ``dim`` is large (above about 100).
+
+    See Also
+    --------
+    favor_plus : The factory, with the formula and the numerical details.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.feature_maps import FavorPlusFeatureMap
+    >>> phi = FavorPlusFeatureMap(4, 8, seed=0, orthogonal=True)
+    >>> phi(np.zeros((3, 4))).shape  # keys
+    (3, 8)
+    >>> phi.map_query(np.zeros(4)).max() * np.sqrt(8)  # queries: row max shifted to exp(0)
+    np.float64(1.0)
     """
 
     def __init__(self, dim: int, num_features: int, seed: int, orthogonal: bool) -> None:
