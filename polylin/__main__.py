@@ -21,6 +21,7 @@ PyTorch, CuPy, JAX, Dask and array-api-strict.
   python -m polylin backends   list the backends and why an unusable one cannot run here
   python -m polylin bench      benchmark methods, backends and sequence lengths (JSON + plot)
   python -m polylin bench-gpu  GPU benchmark against fla, SDPA and the seed loop (JSON + plot)
+  python -m polylin bench-dask scale-out run on local Dask clusters of 1 and 2 workers (JSON)
 
 Library use:  from polylin import causal_linear_attention;  out = causal_linear_attention(q, k, v)
 """
@@ -94,7 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"polylin {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,backends,bench,bench-gpu}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{demo,backends,bench,bench-gpu,bench-dask}"
+    )
 
     p_demo = sub.add_parser("demo", help="run every method on every usable backend")
     p_demo.add_argument("--batch", type=int, default=4, help="batch x heads (default 4)")
@@ -121,6 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench-gpu", help="GPU benchmark: polylin vs seed loop, quadratic, SDPA, fla"
     )
     gpu.add_arguments(p_bench_gpu)
+
+    from .bench.dask_scaleout import add_arguments as add_dask_arguments
+
+    p_dask = sub.add_parser("bench-dask", help="Dask scale-out run on local clusters (JSON)")
+    add_dask_arguments(p_dask)
 
     args = parser.parse_args(argv)
     if args.command is None:
