@@ -42,7 +42,7 @@ if [ "$MODE" = cpu ]; then
                 --seed-loop-len 16 --matmul-size 128)
     SUITE=(tests/test_gpu_device.py tests/test_bench_gpu.py)
 else
-    BACKENDS=torch:cuda,cupy
+    BACKENDS=${GPU_CHECK_BACKENDS:-torch:cuda,cupy}   # the two; add jax:cuda if wanted
     BENCH_ARGS=(--device cuda)
     # The benchmark's CPU smoke test adds nothing here: the real benchmark runs in step 5.
     SUITE=(tests/ --ignore=tests/test_gpu_device.py --ignore=tests/test_bench_gpu.py)
@@ -85,8 +85,10 @@ say "machine recorded in env.txt"
 unset TORCH_ALLOW_TF32_CUBLAS_OVERRIDE NVIDIA_TF32_OVERRIDE
 export CUPY_TF32=0
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-# JAX (in the image) would take 75% of the GPU memory if a test touched it on the GPU.
-export JAX_PLATFORMS=cpu XLA_PYTHON_CLIENT_PREALLOCATE=false
+# JAX is in the image: unless jax:cuda is tested, keep it off the GPU; never let it grab 75% of
+# the GPU memory up front, which would starve the libraries under test.
+case ",$BACKENDS," in *,jax:cuda,*) ;; *) export JAX_PLATFORMS=cpu ;; esac
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 # ---- 2. offline install ---------------------------------------------------------------------
 rc=0
