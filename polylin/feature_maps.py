@@ -316,9 +316,17 @@ def _favor_projection(
     return tuple(tuple(a * n for a in row) for row, n in zip(rows, norms))
 
 
-def _is_tracer(x: Any) -> bool:
-    """Whether ``x`` is an abstract JAX value inside a trace (not safe to cache across calls)."""
-    return any(cls.__name__ == "Tracer" for cls in type(x).__mro__)
+def _cacheable(x: Any) -> bool:
+    """Whether a freshly made constant may be reused by later calls.
+
+    Not a JAX tracer (a constant made inside ``jit`` must not outlive its trace), and not a
+    PyTorch inference tensor (made under ``torch.inference_mode``, it could not be saved for
+    backward by a later training step).
+    """
+    if any(cls.__name__ == "Tracer" for cls in type(x).__mro__):
+        return False
+    is_inference = getattr(x, "is_inference", None)
+    return not (callable(is_inference) and is_inference())
 
 
 class FavorPlusFeatureMap:
@@ -398,7 +406,7 @@ class FavorPlusFeatureMap:
         matrix = self._cache.get(key)
         if matrix is None:
             matrix = xp.asarray(self._matrix, dtype=x.dtype, device=dev)
-            if not _is_tracer(matrix):  # a jit-traced constant must not outlive its trace
+            if _cacheable(matrix):
                 self._cache[key] = matrix
         return matrix
 
@@ -471,7 +479,8 @@ def favor_plus(
     at construction, from Python's ``random.Random(seed)`` and orthonormalized by Gram-Schmidt
     in pure Python, not from a NumPy generator as Performer's code does: polylin's core imports
     no array library, and this way the same seed gives bit-identical rows on every backend. It
-    is moved to the input's library, device and dtype on first use and cached there.
+    is moved to the input's library, device and dtype on first use and cached there (not inside a JAX trace,
+    nor under ``torch.inference_mode``).
 
     Output size ``num_features``; features strictly positive (they can underflow to zero for
     keys far from every ``w_i``); cost one ``(..., dim) x (dim, m)`` matmul and ``m``

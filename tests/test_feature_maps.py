@@ -364,6 +364,20 @@ def test_favor_plus_under_jax_jit_does_not_cache_tracers():
     assert np.all(np.isfinite(np.asarray(grad)))
 
 
+def test_favor_plus_inference_mode_then_training():
+    """A projection made under torch.inference_mode is not cached into a later backward."""
+    torch = pytest.importorskip("torch")
+    phi = favor_plus(4, 8, seed=0)
+    x = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(3, 4)
+    with torch.inference_mode():
+        evaluated = phi(x)
+    x = x.clone().requires_grad_(True)
+    trained = phi(x)
+    trained.sum().backward()
+    torch.testing.assert_close(trained.detach(), evaluated, rtol=1e-12, atol=0)
+    assert torch.isfinite(x.grad).all()
+
+
 # ---------------------------------------------------------------- inside attention, every map
 
 
