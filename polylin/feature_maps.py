@@ -479,8 +479,8 @@ def favor_plus(
     at construction, from Python's ``random.Random(seed)`` and orthonormalized by Gram-Schmidt
     in pure Python, not from a NumPy generator as Performer's code does: polylin's core imports
     no array library, and this way the same seed gives bit-identical rows on every backend. It
-    is moved to the input's library, device and dtype on first use and cached there (not inside a JAX trace,
-    nor under ``torch.inference_mode``).
+    is moved to the input's library, device and dtype on first use and cached there (not inside
+    a JAX trace, nor under ``torch.inference_mode``).
 
     Output size ``num_features``; features strictly positive (they can underflow to zero for
     keys far from every ``w_i``); cost one ``(..., dim) x (dim, m)`` matmul and ``m``
