@@ -281,3 +281,6 @@ def test_scaleout_quick_local_clusters(tmp_path):
     assert results["input_bytes"] == 3 * 2 * 4 * 512 * 16 * 4
     for r in results["runs"]:
         assert r["spilled_bytes"] == 0 and r["workers_alive_at_end"] == r["workers"]
+        assert r["cores_busy"] > 0 and r["eager_numpy_tokens_per_s"] > 0
+    assert [row["workers"] for row in results["summary"]] == [1, 2]
+    assert results["summary"][0]["speedup_vs_fewest_workers"] == 1.0

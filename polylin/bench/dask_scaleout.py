@@ -2,14 +2,19 @@
 
 ``python -m polylin bench-dask`` generates queries, keys and values lazily with a seeded
 ``dask.array`` random generator, several times larger in total than one worker's memory limit,
-chunked along the batch and head axes so that one task holds one chunk of a few heads. The
+chunked along the batch and head axes so that one task chain holds one chunk of a few heads. The
 unchanged :func:`polylin.causal_linear_attention` builds the task graph; each output chunk is
 reduced to per-(batch, head) sums on the workers, so only a ``(batch, heads)`` table travels
-back to the client. The same graph is run on local clusters of 1, 2, ... worker processes, each
-limited to ``--memory-limit``; for each it records the wall time, the throughput (tokens and
-input bytes per second), the peak resident memory of each worker, the bytes spilled to disk,
-and a checksum (equal for every cluster size: the inputs are seeded). One chunk is recomputed
-eagerly with NumPy to check the distributed result.
+back to the client. The same graph runs on local clusters of 1, 2, ... worker processes (one
+thread each, each limited to ``--memory-limit``); for each run it records the wall time, the
+throughput (tokens and input bytes per second), the CPU seconds the workers used (so a machine
+shared with other work shows as fewer busy cores), the peak resident memory of each worker
+(sampled by the worker's monitor every 0.5 s), the bytes spilled to disk, and a checksum (the
+same for every cluster size: the inputs are seeded). One chunk is recomputed eagerly with NumPy
+to check the distributed result, and one chunk's work is timed without Dask on a worker, the
+rate a perfect scheduler would reach. ``--repeats`` alternates the cluster sizes and reports
+medians. Progress is printed as chunks complete; the results go to
+``<out>/dask-scaleout.json``.
 
 The same code runs on a multi-machine cluster: pass ``--scheduler tcp://host:8786`` to use a
 running ``dask scheduler`` and its workers instead of local clusters.
@@ -22,6 +27,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +36,7 @@ import numpy as np
 
 from .. import causal_linear_attention
 
-__all__ = ["add_arguments", "build_graph", "run", "scaleout"]
+__all__ = ["add_arguments", "build_graph", "eager_chunk_seconds", "run", "scaleout"]
 
 #: Shapes of the full run and of ``--quick``: (batch, heads, T, d, heads per Dask chunk).
 FULL = {"batch": 16, "heads": 16, "seq_len": 16384, "dim": 64, "heads_per_chunk": 4}
@@ -65,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per cluster size, alternating the order of sizes (default 1)",
+    )
     parser.add_argument(
         "--scheduler",
         default=None,
@@ -113,7 +125,26 @@ def _worker_stats(dask_worker: Any) -> dict[str, float]:
     return {"peak_rss_bytes": max(memory) if memory else float("nan"), "spilled_bytes": spilled}
 
 
-def _run_once(client: Any, sums: Any, n_blocks: int, label: str) -> tuple[np.ndarray, float]:
+def eager_chunk_seconds(
+    *, heads: int, seq_len: int, dim: int, chunk_size: int, dtype: str, seed: int, repeats: int = 3
+) -> float:
+    """Median seconds for one Dask chunk's work done eagerly with NumPy in this process.
+
+    The same work as one task chain of the graph (generate q, k, v for ``heads`` heads, attend,
+    sum), without Dask: run on a worker, it is the per-worker rate that a perfect scheduler
+    would reach, against which the cluster's throughput is compared.
+    """
+    times = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        rng = np.random.default_rng(seed + r)
+        q, k, v = (rng.standard_normal((1, heads, seq_len, dim), dtype=dtype) for _ in range(3))
+        causal_linear_attention(q, k, v, chunk_size=chunk_size).sum(dtype=np.float64)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _run_once(client: Any, sums: Any, label: str) -> tuple[np.ndarray, float]:
     """Compute ``sums`` on ``client`` with progress lines; return it and the wall time."""
     from distributed import as_completed, futures_of
 
@@ -145,14 +176,113 @@ def _check_one_chunk(
     return float(np.max(np.abs(got - expected) / np.maximum(np.abs(expected), 1.0)))
 
 
-def scaleout(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the graph on each cluster size and return the results (see the module docstring)."""
-    from distributed import Client, LocalCluster
+def _worker_cpu_seconds() -> float:
+    """User + system CPU seconds used so far by the calling (worker) process."""
+    import psutil  # a dependency of distributed
 
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def _sizes(args: argparse.Namespace) -> dict[str, int]:
     sizes = dict(QUICK if args.quick else FULL)
     for name in sizes:
         if getattr(args, name, None) is not None:
             sizes[name] = getattr(args, name)
+    return sizes
+
+
+def _one_run(args: argparse.Namespace, sizes: dict[str, int], n_workers: int | None) -> dict:
+    """Start a cluster of ``n_workers`` (or connect to ``--scheduler``), time the graph once."""
+    from distributed import Client, LocalCluster
+
+    itemsize = np.dtype(args.dtype).itemsize
+    tokens = sizes["batch"] * sizes["heads"] * sizes["seq_len"]
+    input_bytes = 3 * tokens * sizes["dim"] * itemsize
+    eager_tokens = sizes["heads_per_chunk"] * sizes["seq_len"]
+    graph_kwargs = {**sizes, "chunk_size": args.chunk_size, "dtype": args.dtype, "seed": args.seed}
+    if args.scheduler:
+        cluster, client = None, Client(args.scheduler)
+        n_workers = len(client.scheduler_info()["workers"])
+    else:
+        cluster = LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit=args.memory_limit,
+            dashboard_address=":0",  # any free port: other clusters may hold 8787
+            silence_logs=logging.ERROR,
+        )
+        client = Client(cluster)
+    label = f"{n_workers} worker{'s' if n_workers > 1 else ''}"
+    try:
+        # Warm-up on a tiny graph: worker processes import NumPy and Dask before the timer.
+        warm, _ = build_graph(**{**graph_kwargs, **QUICK, "batch": n_workers})
+        client.compute(warm).result()
+        sums, inputs = build_graph(**graph_kwargs)
+        print(f" {label}: {len(sums.__dask_graph__())} tasks", flush=True)
+        # The same chunk's work without Dask, on a worker (one BLAS thread, like the tasks).
+        eager = client.submit(
+            eager_chunk_seconds,
+            heads=sizes["heads_per_chunk"],
+            seq_len=sizes["seq_len"],
+            dim=sizes["dim"],
+            chunk_size=args.chunk_size,
+            dtype=args.dtype,
+            seed=args.seed,
+            pure=False,
+        ).result()
+        load_before = os.getloadavg()[0]
+        cpu_before = client.run(_worker_cpu_seconds)
+        result, seconds = _run_once(client, sums, label)
+        cpu_after = client.run(_worker_cpu_seconds)
+        load_after = os.getloadavg()[0]
+        stats = client.run(_worker_stats)
+        alive = len(client.scheduler_info()["workers"])
+        error = _check_one_chunk(client, inputs, result, sizes["heads_per_chunk"], args.chunk_size)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    cpu = sum(cpu_after[w] - cpu_before.get(w, 0.0) for w in cpu_after)
+    checksum = float(result.sum())
+    run_ = {
+        "workers": n_workers,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "input_GB_per_s": input_bytes / seconds / 1e9,
+        "worker_cpu_seconds": cpu,
+        "cores_busy": cpu / seconds,
+        "eager_numpy_chunk_seconds": eager,
+        "eager_numpy_tokens_per_s": eager_tokens / eager,
+        "efficiency_vs_eager": (tokens / seconds) / (n_workers * eager_tokens / eager),
+        "load_average_before_after": [load_before, load_after],
+        "peak_worker_rss_bytes": [s["peak_rss_bytes"] for s in stats.values()],
+        "spilled_bytes": sum(s["spilled_bytes"] for s in stats.values()),
+        "workers_alive_at_end": alive,
+        "checksum": checksum,
+        "first_chunk_max_rel_error": error,
+    }
+    print(
+        f" {label}: {seconds:.1f}s, {run_['tokens_per_s'] / 1e6:.3f} M tokens/s, "
+        f"{run_['input_GB_per_s']:.3f} GB/s of input, {run_['cores_busy']:.2f} cores busy "
+        f"({run_['efficiency_vs_eager']:.0%} of {n_workers} x eager NumPy); "
+        f"load {load_before:.1f}->{load_after:.1f}; peak worker RSS "
+        f"{max(run_['peak_worker_rss_bytes']) / 1e6:.0f} MB; spilled "
+        f"{run_['spilled_bytes'] / 1e6:.0f} MB; checksum {checksum:.6e}; "
+        f"first chunk vs NumPy: {error:.1e}",
+        flush=True,
+    )
+    return run_
+
+
+def scaleout(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the graph on each cluster size and return the results (see the module docstring).
+
+    With ``--repeats R`` the cluster sizes alternate (1, 2, 2, 1, 1, 2, ...) so that a change in
+    the machine's load during the run biases no size; the summary holds medians per size.
+    """
+    sizes = _sizes(args)
     itemsize = np.dtype(args.dtype).itemsize
     tokens = sizes["batch"] * sizes["heads"] * sizes["seq_len"]
     input_bytes = 3 * tokens * sizes["dim"] * itemsize
@@ -165,66 +295,36 @@ def scaleout(args: argparse.Namespace) -> dict[str, Any]:
         f"workers limited to {args.memory_limit}",
         flush=True,
     )
-    graph_kwargs = {**sizes, "chunk_size": args.chunk_size, "dtype": args.dtype, "seed": args.seed}
+    counts: list[int | None] = [None] if args.scheduler else list(args.workers)
     runs = []
-    checksum_ref = None
-    worker_counts = [None] if args.scheduler else args.workers
-    for n_workers in worker_counts:
-        if args.scheduler:
-            cluster, client = None, Client(args.scheduler)
-            n_workers = len(client.scheduler_info()["workers"])
-        else:
-            cluster = LocalCluster(
-                n_workers=n_workers,
-                threads_per_worker=1,
-                processes=True,
-                memory_limit=args.memory_limit,
-                dashboard_address=":0",  # any free port: other clusters may hold 8787
-                silence_logs=logging.ERROR,
-            )
-            client = Client(cluster)
-        label = f"{n_workers} worker{'s' if n_workers > 1 else ''}"
-        try:
-            # Warm-up on a tiny graph: worker processes import NumPy and Dask before the timer.
-            warm, _ = build_graph(**{**graph_kwargs, **QUICK, "batch": n_workers})
-            client.compute(warm).result()
-            sums, inputs = build_graph(**graph_kwargs)
-            print(f" {label}: {len(sums.__dask_graph__())} tasks", flush=True)
-            result, seconds = _run_once(client, sums, n_blocks, label)
-            stats = client.run(_worker_stats)
-            alive = len(client.scheduler_info()["workers"])
-            error = _check_one_chunk(
-                client, inputs, result, sizes["heads_per_chunk"], args.chunk_size
-            )
-        finally:
-            client.close()
-            if cluster is not None:
-                cluster.close()
-        checksum = float(result.sum())
-        checksum_ref = checksum if checksum_ref is None else checksum_ref
-        run_ = {
-            "workers": n_workers,
-            "seconds": seconds,
-            "tokens_per_s": tokens / seconds,
-            "input_GB_per_s": input_bytes / seconds / 1e9,
-            "peak_worker_rss_bytes": [s["peak_rss_bytes"] for s in stats.values()],
-            "spilled_bytes": sum(s["spilled_bytes"] for s in stats.values()),
-            "workers_alive_at_end": alive,
-            "checksum": checksum,
-            "first_chunk_max_rel_error": error,
-        }
-        runs.append(run_)
+    for r in range(args.repeats):
+        for n_workers in counts if r % 2 == 0 else counts[::-1]:
+            runs.append(_one_run(args, sizes, n_workers))
+    summary = []
+    for n in sorted({r["workers"] for r in runs}):
+        mine = [r for r in runs if r["workers"] == n]
+        seconds = statistics.median(r["seconds"] for r in mine)
+        summary.append(
+            {
+                "workers": n,
+                "median_seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "input_GB_per_s": input_bytes / seconds / 1e9,
+                "cores_busy": statistics.median(r["cores_busy"] for r in mine),
+                "efficiency_vs_eager": statistics.median(r["efficiency_vs_eager"] for r in mine),
+                "max_peak_worker_rss_bytes": max(max(r["peak_worker_rss_bytes"]) for r in mine),
+                "spilled_bytes": max(r["spilled_bytes"] for r in mine),
+                "repeats": len(mine),
+            }
+        )
+    for row in summary:
+        row["speedup_vs_fewest_workers"] = summary[0]["median_seconds"] / row["median_seconds"]
         print(
-            f" {label}: {seconds:.1f}s, {run_['tokens_per_s'] / 1e6:.2f} M tokens/s, "
-            f"{run_['input_GB_per_s']:.3f} GB/s of input; peak worker RSS "
-            f"{max(run_['peak_worker_rss_bytes']) / 1e6:.0f} MB; spilled "
-            f"{run_['spilled_bytes'] / 1e6:.0f} MB; checksum {checksum:.6e}; "
-            f"first chunk vs NumPy: {error:.1e}",
+            f"summary: {row['workers']} worker(s): median {row['median_seconds']:.1f}s, "
+            f"{row['tokens_per_s'] / 1e6:.3f} M tokens/s, speed-up "
+            f"{row['speedup_vs_fewest_workers']:.2f}x, {row['cores_busy']:.2f} cores busy",
             flush=True,
         )
-    base = runs[0]["seconds"]
-    for r in runs:
-        r["speedup_vs_first"] = base / r["seconds"]
     return {
         "command": "python -m polylin bench-dask" + (" --quick" if args.quick else ""),
         "shape": [sizes["batch"], sizes["heads"], sizes["seq_len"], sizes["dim"]],
@@ -235,6 +335,7 @@ def scaleout(args: argparse.Namespace) -> dict[str, Any]:
         "input_bytes": input_bytes,
         "worker_memory_limit": args.memory_limit,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "summary": summary,
         "runs": runs,
     }
 
