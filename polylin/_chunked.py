@@ -8,62 +8,120 @@ For chunk n (rows of phi(Q), phi(K), V), with M the lower-triangular ones matrix
 
 The normalizer is not a separate computation: a column of ones is appended to V, so its last
 output column *is* ``phi(q_t) . z_t``, computed from exactly the same running sums as the
-numerator (the bug class where the two drift apart cannot happen). No T x T matrix is formed;
-chunks are processed in blocks so that intermediates stay cache-sized for long sequences.
+numerator (the bug class where the two drift apart cannot happen). No T x T matrix is formed.
+
+On eager CPU backends (NumPy, PyTorch CPU, array-api-strict) the sequence is processed in
+blocks of about :data:`BLOCK_ROWS` rows (batch x tokens): the feature map, the ones column,
+the per-chunk states and the scores of one block stay in cache, no intermediate is allocated at
+the size of the whole sequence (those large allocations cost page faults on every call), and the
+state is carried from block to block. Inside a block the exclusive prefix sum is a short chain
+of additions, cheaper there than ``cumulative_sum`` over a middle axis. Lazy and accelerator
+backends (Dask, JAX, CuPy, PyTorch CUDA) get one block and one ``cumulative_sum``: they prefer
+few large operations, and a Dask chunk is already a unit of work.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
-from array_api_compat import device, is_dask_namespace
+from array_api_compat import (
+    device,
+    is_array_api_strict_namespace,
+    is_numpy_namespace,
+    is_torch_namespace,
+)
 
 from ._ops import causal_mask, pad_rows
 
-__all__ = ["BLOCK_TOKENS", "causal_chunked"]
+__all__ = ["BLOCK_ROWS", "block_tokens", "causal_chunked"]
 
-#: Tokens processed per block of chunks: intermediates of one block stay in cache.
-BLOCK_TOKENS = 1024
+#: Rows (batch x tokens) per block on eager CPU backends; chosen by measurement (see
+#: ``docs/performance.md``): 1024-4096 are within noise of each other, larger blocks spill the
+#: cache, smaller ones pay per-call overhead.
+BLOCK_ROWS = 2048
+
+#: ``features(start, stop)`` returns ``(phi(q), phi(k))`` of tokens ``start:stop`` in the work
+#: dtype, masked keys already zeroed.
+Features = Callable[[int, int], tuple[Any, Any]]
+
+
+def _eager_cpu(xp: Any, dev: Any) -> bool:
+    """Whether ``xp`` runs each operation at once on the CPU (where blocking pays)."""
+    if is_numpy_namespace(xp) or is_array_api_strict_namespace(xp):
+        return True
+    return is_torch_namespace(xp) and str(dev) == "cpu"
+
+
+def block_tokens(eager: bool, batch_size: int, length: int, chunk: int) -> int:
+    """Tokens per block: a multiple of ``chunk``, or ``length`` where blocks do not pay."""
+    if not eager:
+        return max(length, 1)
+    return chunk * max(1, BLOCK_ROWS // (chunk * max(batch_size, 1)))
 
 
 def causal_chunked(
-    xp: Any, fq: Any, fk: Any, v: Any, S: Any, z: Any, *, chunk_size: int, eps: float
+    xp: Any, features: Features, v: Any, S: Any, z: Any, *, chunk_size: int, eps: float
 ) -> tuple[Any, Any, Any]:
-    """Causal linear attention in chunks of ``chunk_size`` tokens, from the state ``(S, z)``."""
-    *batch, T, d_phi = fq.shape
-    d_v = v.shape[-1]
+    """Causal linear attention in chunks of ``chunk_size`` tokens, from the state ``(S, z)``.
+
+    ``features(start, stop)`` maps one block of queries and keys; a feature map acts on each
+    token alone (as :func:`polylin.step` also requires), so mapping block by block is exact.
+    """
+    *batch, T, d_v = v.shape
     if T == 0:
         return v, S, z
-    dev = device(fq)
+    dev = device(v)
     # The ones column turns the normalizer into one more output column (see module docstring).
-    v1 = xp.concat([v, xp.ones((*batch, T, 1), dtype=v.dtype, device=dev)], axis=-1)
     state = xp.concat([S, z[..., None]], axis=-1)  # (..., d_phi, d_v + 1)
-
     chunk = min(chunk_size, T)
-    n_chunks = -(-T // chunk)
-    pad = n_chunks * chunk - T
-    if pad:  # zero keys and values add nothing to the state; padded outputs are dropped
-        fq, fk, v1 = (pad_rows(xp, x, pad) for x in (fq, fk, v1))
+    eager = _eager_cpu(xp, dev)
+    block = block_tokens(eager, math.prod(batch), T, chunk)
+    mask = causal_mask(xp, chunk, chunk, v.dtype, dev)
+    outputs = []
+    for start in range(0, T, block):
+        stop = min(start + block, T)
+        fq, fk = features(start, stop)
+        out, state = _block(
+            xp, fq, fk, v[..., start:stop, :], state, mask, eps=eps, chained=eager
+        )
+        outputs.append(out)
+    out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
+    return out, state[..., :d_v], state[..., d_v]
+
+
+def _block(
+    xp: Any, fq: Any, fk: Any, v: Any, state: Any, mask: Any, *, eps: float, chained: bool
+) -> tuple[Any, Any]:
+    """Outputs of one block of tokens and the state after it (``state`` has the ones column)."""
+    *batch, length, d_v = v.shape
+    d_phi = fq.shape[-1]
+    chunk = mask.shape[-1]
+    n_chunks = -(-length // chunk)
+    padded = n_chunks * chunk
+    if padded != length:  # zero keys add nothing to the state; padded outputs are dropped
+        fq, fk, v = (pad_rows(xp, x, padded - length) for x in (fq, fk, v))
+    ones = xp.ones((*batch, padded, 1), dtype=v.dtype, device=device(v))
+    v1 = xp.concat([v, ones], axis=-1)
     Q = xp.reshape(fq, (*batch, n_chunks, chunk, d_phi))
     K = xp.reshape(fk, (*batch, n_chunks, chunk, d_phi))
     V = xp.reshape(v1, (*batch, n_chunks, chunk, d_v + 1))
-    mask = causal_mask(xp, chunk, chunk, fq.dtype, dev)
-
-    # Blocks keep eager intermediates in cache. A Dask chunk is already a unit of work: there,
-    # blocks would only multiply the tasks (and split Dask chunks), so all chunks form one block.
-    per_block = n_chunks if is_dask_namespace(xp) else max(1, BLOCK_TOKENS // chunk)
-    outputs = []
-    for start in range(0, n_chunks, per_block):
-        stop = min(start + per_block, n_chunks)
-        Qb, Kb, Vb = Q[..., start:stop, :, :], K[..., start:stop, :, :], V[..., start:stop, :, :]
-        Kt = xp.matrix_transpose(Kb)
-        increments = xp.matmul(Kt, Vb)
+    Kt = xp.matrix_transpose(K)
+    increments = xp.matmul(Kt, V)  # U_n
+    if chained:  # a short chain of additions: a block has at most BLOCK_ROWS / chunk chunks
+        running = [state]
+        for n in range(n_chunks):
+            running.append(running[-1] + increments[..., n, :, :])
+        new_state = running.pop()
+        states = xp.stack(running, axis=-3)
+    else:
         prefix = xp.cumulative_sum(increments, axis=-3, include_initial=True)
         states = prefix[..., :-1, :, :] + state[..., None, :, :]
-        scores = xp.matmul(Qb, Kt) * mask
-        outputs.append(xp.matmul(Qb, states) + xp.matmul(scores, Vb))
-        state = state + prefix[..., -1, :, :]
-    out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-3)
-    out = xp.reshape(out, (*batch, n_chunks * chunk, d_v + 1))[..., :T, :]
-    out = out[..., :d_v] / (out[..., d_v:] + eps)
-    return out, state[..., :d_v], state[..., d_v]
+        new_state = state + prefix[..., -1, :, :]
+    scores = xp.matmul(Q, Kt) * mask
+    out = xp.matmul(Q, states) + xp.matmul(scores, V)
+    out = xp.reshape(out, (*batch, padded, d_v + 1))
+    if padded != length:
+        out = out[..., :length, :]
+    return out[..., :d_v] / (out[..., d_v:] + eps), new_state

@@ -128,18 +128,24 @@ def causal_linear_attention(
         out = unpack(c.xp, out, offsets)
         return (out, state) if return_state else out
 
-    fq, fk = apply_feature_map(c, feature_map, q, k)
     v = to_work_dtype(c, v)
     mask = None
     if attention_mask is not None:
         mask = check_mask(c, attention_mask, q.shape[-2])
-        fk = fk * mask
+
+    def features(start: int, stop: int) -> tuple[Any, Any]:
+        # A feature map acts on each token alone, so the chunked form maps block by block.
+        fq, fk = apply_feature_map(c, feature_map, q[..., start:stop, :], k[..., start:stop, :])
+        return fq, (fk if mask is None else fk * mask[..., start:stop, :])
+
+    T = q.shape[-2]
+    fq, fk = features(0, min(T, 1)) if method == "chunked" else features(0, T)
     S, z = check_state(
         c, initial_state, c.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
     )
     xp = c.xp
     if method == "chunked":
-        out, S, z = causal_chunked(xp, fq, fk, v, S, z, chunk_size=chunk_size, eps=eps)
+        out, S, z = causal_chunked(xp, features, v, S, z, chunk_size=chunk_size, eps=eps)
     elif method == "recurrent":
         out, S, z = causal_recurrent(xp, fq, fk, v, S, z, eps=eps)
     else:

@@ -1,0 +1,160 @@
+"""What the CPU benchmark compares polylin's chunked form with, and how many flops it counts.
+
+- :func:`seed_loop`: the design note's per-token PyTorch loop, as written (``elu + 1``, one
+  ``einsum`` per token);
+- :func:`plain_chunked`: a plain, unblocked chunked form in array-API code (``elu + 1``, a
+  ``cumulative_sum`` over the chunk states, a ``tril`` mask, batched matmuls, every
+  intermediate materialized for the whole sequence): what a first implementation looks like;
+- :func:`sdpa`: PyTorch's ``scaled_dot_product_attention(is_causal=True)``, the softmax
+  attention users would otherwise pick (a different function: timed, not compared);
+- :func:`chunked_useful_flops`: the flop count behind the "fraction of the GEMM rate" figure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+
+from ..feature_maps import elu_plus_one
+
+__all__ = ["chunked_useful_flops", "plain_chunked", "sdpa", "seed_loop"]
+
+
+def seed_loop(q: Any, k: Any, v: Any, eps: float = 1e-6) -> Any:
+    """The design note's causal linear attention, one token at a time (PyTorch, as written).
+
+    Parameters
+    ----------
+    q, k : torch.Tensor
+        ``(batch, T, d_k)``.
+    v : torch.Tensor
+        ``(batch, T, d_v)``.
+    eps : float
+        Added to the normalizer.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, T, d_v)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from polylin.bench.baselines import seed_loop
+    >>> q, k, v = torch.randn(3, 2, 5, 4, dtype=torch.float64)
+    >>> out = seed_loop(q, k, v)
+    >>> out.shape
+    torch.Size([2, 5, 4])
+    >>> bool(torch.allclose(out[:, 0], v[:, 0]))  # position 0 attends to itself only
+    True
+    """
+    import torch
+    import torch.nn.functional as F
+
+    phi_q, phi_k = F.elu(q) + 1.0, F.elu(k) + 1.0
+    batch, seq_len, d_k = q.shape
+    state = torch.zeros(batch, d_k, v.shape[-1], device=q.device, dtype=q.dtype)
+    normalizer = torch.zeros(batch, d_k, device=q.device, dtype=q.dtype)
+    outputs = []
+    for t in range(seq_len):
+        state = state + phi_k[:, t, :].unsqueeze(-1) * v[:, t, :].unsqueeze(1)
+        normalizer = normalizer + phi_k[:, t, :]
+        numerator = torch.einsum("bd,bdv->bv", phi_q[:, t, :], state)
+        denominator = torch.einsum("bd,bd->b", phi_q[:, t, :], normalizer).unsqueeze(-1)
+        outputs.append((numerator / (denominator + eps)).unsqueeze(1))
+    return torch.cat(outputs, dim=1)
+
+
+def plain_chunked(q: Any, k: Any, v: Any, /, *, chunk_size: int = 64, eps: float = 1e-6) -> Any:
+    """A plain chunked form: the whole sequence at once, no blocking, no tuning.
+
+    ``elu + 1`` on the whole of ``q`` and ``k``, a ones column on ``v`` for the normalizer,
+    per-chunk states ``K_n^T V_n``, their exclusive ``cumulative_sum``, ``tril``-masked chunk
+    scores and the output ``Q_n S_n + (Q_n K_n^T * M) V_n``; T is zero-padded to a multiple of
+    the chunk size. Any array-API library.
+
+    Parameters
+    ----------
+    q, k : array
+        ``(..., T, d_k)``.
+    v : array
+        ``(..., T, d_v)``.
+    chunk_size : int
+        Chunk length C.
+    eps : float
+        Added to the normalizer.
+
+    Returns
+    -------
+    array
+        ``(..., T, d_v)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import causal_linear_attention
+    >>> from polylin.bench.baselines import plain_chunked
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 50, 8))
+    >>> bool(np.allclose(plain_chunked(q, k, v, chunk_size=16), causal_linear_attention(q, k, v)))
+    True
+    """
+    xp = array_api_compat.array_namespace(q, k, v)
+    dev = array_api_compat.device(q)
+    *batch, T, d_k = q.shape
+    d_v = v.shape[-1]
+    chunk = min(chunk_size, T)
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    fq, fk = elu_plus_one(q), elu_plus_one(k)
+    v1 = xp.concat([v, xp.ones((*batch, T, 1), dtype=v.dtype, device=dev)], axis=-1)
+    if pad:
+        fq, fk, v1 = (
+            xp.concat([x, xp.zeros((*batch, pad, x.shape[-1]), dtype=x.dtype, device=dev)], axis=-2)
+            for x in (fq, fk, v1)
+        )
+    Q = xp.reshape(fq, (*batch, n, chunk, d_k))
+    K = xp.reshape(fk, (*batch, n, chunk, d_k))
+    V = xp.reshape(v1, (*batch, n, chunk, d_v + 1))
+    Kt = xp.matrix_transpose(K)
+    U = xp.matmul(Kt, V)
+    S = xp.cumulative_sum(U, axis=-3) - U
+    rows = xp.arange(chunk, device=dev)
+    tril = xp.astype(rows[None, :] <= rows[:, None], q.dtype)
+    out = xp.matmul(Q, S) + xp.matmul(xp.matmul(Q, Kt) * tril, V)
+    out = xp.reshape(out, (*batch, n * chunk, d_v + 1))[..., :T, :]
+    return out[..., :d_v] / (out[..., d_v:] + eps)
+
+
+def sdpa(q: Any, k: Any, v: Any) -> Any:
+    """PyTorch's causal softmax attention on the same tensors (a different function).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from polylin.bench.baselines import sdpa
+    >>> q = k = v = torch.ones(2, 5, 4)
+    >>> sdpa(q, k, v).shape
+    torch.Size([2, 5, 4])
+    """
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def chunked_useful_flops(batch: int, T: int, d_k: int, d_v: int, chunk_size: int) -> int:
+    """Flops of the chunked form that contribute to the result.
+
+    Per token: ``2 d_k d_v`` for the state increment ``K^T V``, ``2 d_k d_v`` for the read-out
+    ``Q S``, and the causal half of the intra-chunk products, ``C d_k`` for ``Q K^T`` and
+    ``C d_v`` for the masked scores times ``V``. The normalizer column and the masked-out upper
+    triangles are not counted, so the figure errs low.
+
+    Examples
+    --------
+    >>> from polylin.bench.baselines import chunked_useful_flops
+    >>> chunked_useful_flops(1, 1, 2, 3, 4)
+    44
+    """
+    chunk = min(chunk_size, T)
+    return batch * T * (4 * d_k * d_v + chunk * (d_k + d_v))

@@ -1,0 +1,190 @@
+"""How the CPU benchmark measures: medians after warm-up, peak memory, a progress bar.
+
+Times are wall-clock medians of repeats after a warm-up call, each stopped by the backend's
+synchronization (device work and lazy graphs are finished inside the timer). Peak memory is
+measured in a separate, untimed call: ``tracemalloc`` for NumPy and array-api-strict (NumPy
+reports its buffers to it), the profiler's allocator events for PyTorch (the CPU allocator has
+no counters of its own; on CUDA, ``torch.cuda.max_memory_allocated``); other backends report
+``None``.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from ..testing import Backend
+
+__all__ = ["Progress", "Timing", "gemm_rate", "peak_memory", "time_call"]
+
+
+@dataclass
+class Timing:
+    """Times of one benchmarked call (seconds) and the minor page faults per call."""
+
+    times: list[float] = field(default_factory=list)
+    warmup: float = 0.0
+    faults: float = 0.0
+
+    @property
+    def median(self) -> float:
+        """Median of the timed repeats."""
+        return statistics.median(self.times)
+
+
+def time_call(
+    backend: Backend, fn: Callable[[], Any], *, repeats: int, budget_s: float
+) -> Timing:
+    """Warm up once, then time up to ``repeats`` calls (fewer if one call is slow).
+
+    ``budget_s`` caps the time spent on repeats: a call that takes 2 s with a 3 s budget gets
+    one repeat. Page faults (``ru_minflt``) are counted over the timed calls.
+
+    Examples
+    --------
+    >>> from polylin.bench.measure import time_call
+    >>> from polylin.testing import Backend
+    >>> t = time_call(Backend.NUMPY, lambda: sum(range(100)), repeats=3, budget_s=1.0)
+    >>> len(t.times)
+    3
+    """
+    start = time.perf_counter()
+    backend.synchronize(fn())
+    warmup = time.perf_counter() - start
+    n = max(1, min(repeats, int(budget_s / max(warmup, 1e-9))))
+    times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(n):
+        start = time.perf_counter()
+        backend.synchronize(fn())
+        times.append(time.perf_counter() - start)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return Timing(times=times, warmup=warmup, faults=faults / n)
+
+
+def peak_memory(backend: Backend, fn: Callable[[], Any]) -> int | None:
+    """Peak bytes allocated during one call of ``fn`` beyond what existed before it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.bench.measure import peak_memory
+    >>> from polylin.testing import Backend
+    >>> peak_memory(Backend.NUMPY, lambda: np.ones(1000) + 1) >= 8000
+    True
+    """
+    if backend in (Backend.NUMPY, Backend.ARRAY_API_STRICT):
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            out = fn()
+            peak = tracemalloc.get_traced_memory()[1] - base
+            del out
+        finally:
+            tracemalloc.stop()
+        return peak
+    if backend is Backend.TORCH:
+        return _torch_cpu_peak(fn)
+    if backend is Backend.TORCH_CUDA:
+        torch = backend.module()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del out
+        return peak
+    return None
+
+
+def _torch_cpu_peak(fn: Callable[[], Any]) -> int:
+    # The profiler sees every allocation and free of the CPU allocator: an op's own (self)
+    # allocations at its start, frees outside ops as "[memory]" events. Their running sum in
+    # time order is the memory in use; its maximum is the peak.
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+        del out
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    current = peak = 0
+    for event in events:
+        current += event.self_cpu_memory_usage
+        peak = max(peak, current)
+    return peak
+
+
+def gemm_rate(backend: Backend, n: int, *, repeats: int = 3) -> float:
+    """Float32 ``n x n @ n x n`` matrix multiply rate of ``backend``, in flop/s (median).
+
+    Examples
+    --------
+    >>> from polylin.bench.measure import gemm_rate
+    >>> from polylin.testing import Backend
+    >>> gemm_rate(Backend.NUMPY, 64) > 0
+    True
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = (backend.from_numpy(rng.standard_normal((n, n)), "float32") for _ in range(2))
+    xp = backend.namespace()
+    timing = time_call(backend, lambda: xp.matmul(a, b), repeats=repeats, budget_s=10.0)
+    return 2.0 * n**3 / timing.median
+
+
+class Progress:
+    """A one-line progress bar on stderr (``\\r``-updated), with the elapsed time.
+
+    Examples
+    --------
+    >>> import io
+    >>> from polylin.bench.measure import Progress
+    >>> stream = io.StringIO()
+    >>> bar = Progress(2, stream=stream, width=4)
+    >>> bar.step("first"); bar.step("second"); bar.close()
+    >>> stream.getvalue().split("\\r")[-1].startswith("[####] 2/2")
+    True
+    """
+
+    def __init__(self, total: int, *, stream: TextIO | None = None, width: int = 24) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.width = width
+        self.stream = sys.stderr if stream is None else stream
+        self.start = time.perf_counter()
+        self._last = 0
+
+    def elapsed(self) -> float:
+        """Seconds since the bar was created."""
+        return time.perf_counter() - self.start
+
+    def show(self, label: str) -> None:
+        """Redraw the bar with ``label`` as the current task."""
+        filled = self.width * min(self.done, self.total) // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        line = (
+            f"[{bar}] {self.done}/{self.total} {self.elapsed():6.1f}s {label}"
+        )
+        pad = max(0, self._last - len(line))
+        self.stream.write("\r" + line + " " * pad)
+        self.stream.flush()
+        self._last = len(line)
+
+    def step(self, label: str = "") -> None:
+        """Count one task as done."""
+        self.done += 1
+        self.show(label)
+
+    def close(self) -> None:
+        """End the line."""
+        self.stream.write("\n")
+        self.stream.flush()
