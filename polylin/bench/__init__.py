@@ -54,9 +54,9 @@ _DEFAULTS = {
     "repeats": (5, 1),
     "cell_seconds": (3.0, 0.5),
     "loop_max_len": (4096, 128),
-    "decode_positions": ([1, 1024, 65536], [1, 16, 64]),
+    "decode_positions": ([1, 1024, 65536], [1, 64]),
     "decode_steps": (50, 3),
-    "memory_len": (65536, 256),
+    "memory_len": (65536, 128),
     "gemm_size": (2048, 64),
 }
 
