@@ -153,8 +153,8 @@ def chunked_useful_flops(batch: int, T: int, d_k: int, d_v: int, chunk_size: int
     Examples
     --------
     >>> from polylin.bench.baselines import chunked_useful_flops
-    >>> chunked_useful_flops(1, 1, 2, 3, 4)
-    44
+    >>> chunked_useful_flops(8, 4096, 64, 64, 64) / 1e9  # GFLOP
+    0.805306368
     """
     chunk = min(chunk_size, T)
     return batch * T * (4 * d_k * d_v + chunk * (d_k + d_v))
