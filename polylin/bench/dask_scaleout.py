@@ -107,22 +107,34 @@ def build_graph(
     import dask.array as da
 
     rng = da.random.default_rng(seed)
-    shape = (batch, heads, seq_len, dim)
-    chunks = (1, heads_per_chunk, seq_len, dim)
-    q, k, v = (rng.standard_normal(shape, chunks=chunks, dtype=dtype) for _ in range(3))
+    # One generating task per chunk makes that chunk's q, k and v together (as a projection
+    # of one block of hidden states would): a chunk's task chain then starts on one worker.
+    # Three separate generators give three root tasks that the scheduler places apart, and
+    # keys and values travel between workers (measured: more bytes moved than the inputs hold).
+    qkv = rng.standard_normal(
+        (3, batch, heads, seq_len, dim), chunks=(3, 1, heads_per_chunk, seq_len, dim), dtype=dtype
+    )
+    q, k, v = qkv[0], qkv[1], qkv[2]
     out = causal_linear_attention(q, k, v, chunk_size=chunk_size)
     return da.sum(out, axis=(-2, -1), dtype="float64"), (q, k, v)
 
 
 def _worker_stats(dask_worker: Any) -> dict[str, float]:
-    """Peak resident memory seen by the worker's monitor, and bytes it spilled to disk."""
+    """Peak resident memory seen by the worker's monitor, bytes it spilled to disk, and bytes
+    it sent to other workers (or the client)."""
     memory = list(dask_worker.monitor.quantities["memory"])
-    spilled = 0
+    spilled = sent = 0
     for key, value in getattr(dask_worker, "digests_total", {}).items():
-        # the SpillBuffer's metrics: ("disk-write", "bytes") etc., names vary across versions
-        if "disk-write" in str(key) and "bytes" in str(key):
+        # e.g. ("memory-monitor", "disk-write", "bytes") and ("get-data", "memory-read", "bytes")
+        if "bytes" in str(key) and "disk-write" in str(key):
             spilled += value
-    return {"peak_rss_bytes": max(memory) if memory else float("nan"), "spilled_bytes": spilled}
+        if "bytes" in str(key) and "get-data" in str(key):
+            sent += value
+    return {
+        "peak_rss_bytes": max(memory) if memory else float("nan"),
+        "spilled_bytes": spilled,
+        "sent_bytes": sent,
+    }
 
 
 def eager_chunk_seconds(
@@ -253,12 +265,14 @@ def _one_run(args: argparse.Namespace, sizes: dict[str, int], n_workers: int | N
         "input_GB_per_s": input_bytes / seconds / 1e9,
         "worker_cpu_seconds": cpu,
         "cores_busy": cpu / seconds,
+        "tokens_per_cpu_second": tokens / cpu,
         "eager_numpy_chunk_seconds": eager,
         "eager_numpy_tokens_per_s": eager_tokens / eager,
         "efficiency_vs_eager": (tokens / seconds) / (n_workers * eager_tokens / eager),
         "load_average_before_after": [load_before, load_after],
         "peak_worker_rss_bytes": [s["peak_rss_bytes"] for s in stats.values()],
         "spilled_bytes": sum(s["spilled_bytes"] for s in stats.values()),
+        "sent_between_workers_bytes": sum(s["sent_bytes"] for s in stats.values()),
         "workers_alive_at_end": alive,
         "checksum": checksum,
         "first_chunk_max_rel_error": error,
@@ -269,7 +283,8 @@ def _one_run(args: argparse.Namespace, sizes: dict[str, int], n_workers: int | N
         f"({run_['efficiency_vs_eager']:.0%} of {n_workers} x eager NumPy); "
         f"load {load_before:.1f}->{load_after:.1f}; peak worker RSS "
         f"{max(run_['peak_worker_rss_bytes']) / 1e6:.0f} MB; spilled "
-        f"{run_['spilled_bytes'] / 1e6:.0f} MB; checksum {checksum:.6e}; "
+        f"{run_['spilled_bytes'] / 1e6:.0f} MB; sent between workers "
+        f"{run_['sent_between_workers_bytes'] / 1e6:.0f} MB; checksum {checksum:.6e}; "
         f"first chunk vs NumPy: {error:.1e}",
         flush=True,
     )
@@ -311,9 +326,15 @@ def scaleout(args: argparse.Namespace) -> dict[str, Any]:
                 "tokens_per_s": tokens / seconds,
                 "input_GB_per_s": input_bytes / seconds / 1e9,
                 "cores_busy": statistics.median(r["cores_busy"] for r in mine),
+                "tokens_per_cpu_second": statistics.median(
+                    r["tokens_per_cpu_second"] for r in mine
+                ),
                 "efficiency_vs_eager": statistics.median(r["efficiency_vs_eager"] for r in mine),
                 "max_peak_worker_rss_bytes": max(max(r["peak_worker_rss_bytes"]) for r in mine),
                 "spilled_bytes": max(r["spilled_bytes"] for r in mine),
+                "sent_between_workers_bytes": statistics.median(
+                    r["sent_between_workers_bytes"] for r in mine
+                ),
                 "repeats": len(mine),
             }
         )
@@ -322,7 +343,8 @@ def scaleout(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"summary: {row['workers']} worker(s): median {row['median_seconds']:.1f}s, "
             f"{row['tokens_per_s'] / 1e6:.3f} M tokens/s, speed-up "
-            f"{row['speedup_vs_fewest_workers']:.2f}x, {row['cores_busy']:.2f} cores busy",
+            f"{row['speedup_vs_fewest_workers']:.2f}x, {row['cores_busy']:.2f} cores busy, "
+            f"{row['tokens_per_cpu_second'] / 1e6:.3f} M tokens per worker CPU second",
             flush=True,
         )
     return {
