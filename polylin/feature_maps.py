@@ -88,9 +88,9 @@ def elu_plus_one(x: Any, /) -> Any:
     array([0.36787944, 1.        , 3.        ])
     """
     xp = array_api_compat.array_namespace(x)
-    # exp of the clipped value, not where(x > 0, x + 1, exp(x)): the discarded branch of a
+    # exp of min(x, 0), not where(x > 0, x + 1, exp(x)): the discarded branch of a
     # where still overflows for large x and poisons gradients with inf * 0 = nan.
-    return xp.exp(xp.clip(x, max=0.0)) + xp.clip(x, min=0.0)
+    return xp.exp(xp.minimum(x, 0.0)) + xp.maximum(x, 0.0)
 
 
 def relu(x: Any, /) -> Any:
@@ -120,7 +120,7 @@ def relu(x: Any, /) -> Any:
     array([ True])
     """
     xp = array_api_compat.array_namespace(x)
-    return xp.clip(x, min=0.0) + RELU_EPS
+    return xp.maximum(x, 0.0) + RELU_EPS
 
 
 def identity(x: Any, /) -> Any:
@@ -240,7 +240,7 @@ class DPFPFeatureMap:
     def __call__(self, x: Any, /) -> Any:
         """Map ``x`` of shape ``(..., d)`` to non-negative features ``(..., 2 * d * nu)``."""
         xp = array_api_compat.array_namespace(x)
-        r = xp.concat([xp.clip(x, min=0.0), xp.clip(-x, min=0.0)], axis=-1)
+        r = xp.concat([xp.maximum(x, 0.0), xp.maximum(-x, 0.0)], axis=-1)
         return xp.concat([r * xp.roll(r, shift=j, axis=-1) for j in range(1, self.nu + 1)], axis=-1)
 
 
