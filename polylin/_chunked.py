@@ -11,13 +11,13 @@ output column *is* ``phi(q_t) . z_t``, computed from exactly the same running su
 numerator (the bug class where the two drift apart cannot happen). No T x T matrix is formed.
 
 On eager CPU backends (NumPy, PyTorch CPU, array-api-strict) the sequence is processed in
-blocks of about :data:`BLOCK_ROWS` rows (batch x tokens): the feature map, the ones column,
-the per-chunk states and the scores of one block stay in cache, no intermediate is allocated at
-the size of the whole sequence (those large allocations cost page faults on every call), and the
-state is carried from block to block. Inside a block the exclusive prefix sum is a short chain
-of additions, cheaper there than ``cumulative_sum`` over a middle axis. Lazy and accelerator
-backends (Dask, JAX, CuPy, PyTorch CUDA) get one block and one ``cumulative_sum``: they prefer
-few large operations, and a Dask chunk is already a unit of work.
+blocks of about :data:`BLOCK_BYTES` of features and values: the feature map, the ones
+column, the per-chunk states and the scores of one block stay in cache, no intermediate is
+allocated at the size of the whole sequence (those large allocations cost page faults on every
+call), and the state is carried from block to block. Inside a block the exclusive prefix sum is
+a short chain of additions, cheaper there than ``cumulative_sum`` over a middle axis. Lazy and
+accelerator backends (Dask, JAX, CuPy, PyTorch CUDA) get one block and one ``cumulative_sum``:
+they prefer few large operations, and a Dask chunk is already a unit of work.
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ from array_api_compat import (
 
 from ._ops import causal_mask, pad_rows
 
-__all__ = ["BLOCK_ROWS", "block_tokens", "causal_chunked"]
+__all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
-#: Rows (batch x tokens) per block on eager CPU backends; chosen by measurement (see
-#: ``docs/performance.md``): 1024-4096 are within noise of each other, larger blocks spill the
-#: cache, smaller ones pay per-call overhead.
-BLOCK_ROWS = 2048
+#: Bytes per block on eager CPU backends, counted as batch x tokens x (d_phi + d_v) x itemsize;
+#: chosen by measurement (``docs/performance.md``): 1 MiB is 2048 rows (batch x tokens) at
+#: d = 64 and 1024 rows at d = 128 in float32, the best of 1024 ... 8192 rows at each; larger
+#: blocks spill the cache, smaller ones pay per-operation overhead.
+BLOCK_BYTES = 2**20
 
 #: ``features(start, stop)`` returns ``(phi(q), phi(k))`` of tokens ``start:stop`` in the work
 #: dtype, masked keys already zeroed.
@@ -54,11 +55,15 @@ def _eager_cpu(xp: Any, dev: Any) -> bool:
     return is_torch_namespace(xp) and str(dev) == "cpu"
 
 
-def block_tokens(eager: bool, batch_size: int, length: int, chunk: int) -> int:
-    """Tokens per block: a multiple of ``chunk``, or ``length`` where blocks do not pay."""
+def block_tokens(eager: bool, length: int, chunk: int, token_bytes: int) -> int:
+    """Tokens per block: a multiple of ``chunk``, or ``length`` where blocks do not pay.
+
+    ``token_bytes`` is ``batch x (d_phi + d_v) x itemsize``: one token's features and values
+    over the whole batch.
+    """
     if not eager:
         return max(length, 1)
-    return chunk * max(1, BLOCK_ROWS // (chunk * max(batch_size, 1)))
+    return chunk * max(1, BLOCK_BYTES // (chunk * max(token_bytes, 1)))
 
 
 def causal_chunked(
@@ -77,7 +82,9 @@ def causal_chunked(
     state = xp.concat([S, z[..., None]], axis=-1)  # (..., d_phi, d_v + 1)
     chunk = min(chunk_size, T)
     eager = _eager_cpu(xp, dev)
-    block = block_tokens(eager, math.prod(batch), T, chunk)
+    itemsize = xp.finfo(v.dtype).bits // 8
+    token_bytes = math.prod(batch) * (S.shape[-2] + d_v) * itemsize
+    block = block_tokens(eager, T, chunk, token_bytes)
     mask = causal_mask(xp, chunk, chunk, v.dtype, dev)
     outputs = []
     for start in range(0, T, block):
@@ -109,7 +116,7 @@ def _block(
     V = xp.reshape(v1, (*batch, n_chunks, chunk, d_v + 1))
     Kt = xp.matrix_transpose(K)
     increments = xp.matmul(Kt, V)  # U_n
-    if chained:  # a short chain of additions: a block has at most BLOCK_ROWS / chunk chunks
+    if chained:  # a short chain of additions: a block holds few chunks
         running = [state]
         for n in range(n_chunks):
             running.append(running[-1] + increments[..., n, :, :])

@@ -1,6 +1,6 @@
 """The blocked chunked path: many small blocks give the same results as the oracle.
 
-On eager CPU backends the chunked form walks the sequence in blocks of ``BLOCK_ROWS`` rows
+On eager CPU backends the chunked form walks the sequence in blocks of about ``BLOCK_BYTES``
 (feature map, ones column, states and scores per block, the state carried across blocks). The
 default block is large, so most tests see one or two blocks; here the block is shrunk until every
 block holds one or two chunks, with ragged ends, masks, initial states and a query-specific
@@ -22,11 +22,11 @@ from .reference import masked_kernel
 EAGER = (Backend.NUMPY, Backend.ARRAY_API_STRICT, Backend.TORCH)
 
 
-@pytest.fixture(params=[1, 16, 40], ids=lambda r: f"rows{r}")
+@pytest.fixture(params=[1, 1024, 4096], ids=lambda r: f"bytes{r}")
 def small_blocks(request, monkeypatch, backend):
     if backend not in EAGER:
         pytest.skip(f"[{backend}] runs the chunked form in one block")
-    monkeypatch.setattr(chunked, "BLOCK_ROWS", request.param)
+    monkeypatch.setattr(chunked, "BLOCK_BYTES", request.param)
     return request.param
 
 
@@ -94,8 +94,9 @@ def test_float32_many_blocks_stays_accurate(rng):
 
 
 def test_block_tokens():
-    assert chunked.block_tokens(False, 8, 5000, 64) == 5000  # lazy/accelerator: one block
-    assert chunked.block_tokens(False, 8, 0, 64) == 1
-    eager = chunked.block_tokens(True, 8, 5000, 64)
-    assert eager % 64 == 0 and eager * 8 <= max(chunked.BLOCK_ROWS, 64 * 8)
-    assert chunked.block_tokens(True, 10**6, 5000, 64) == 64  # at least one chunk per block
+    assert chunked.block_tokens(False, 5000, 64, 4096) == 5000  # lazy/accelerator: one block
+    assert chunked.block_tokens(False, 0, 64, 4096) == 1
+    # float32, batch 8, d_phi = d_v = 64: 4 KiB per token, so 1 MiB is 256 tokens (2048 rows)
+    assert chunked.block_tokens(True, 5000, 64, 8 * 128 * 4) == chunked.BLOCK_BYTES // 4096
+    assert chunked.block_tokens(True, 5000, 48, 8 * 128 * 4) % 48 == 0
+    assert chunked.block_tokens(True, 5000, 64, 10**9) == 64  # at least one chunk per block
