@@ -233,17 +233,27 @@ def _one_run(args: argparse.Namespace, sizes: dict[str, int], n_workers: int | N
         client.compute(warm).result()
         sums, inputs = build_graph(**graph_kwargs)
         print(f" {label}: {len(sums.__dask_graph__())} tasks", flush=True)
-        # The same chunk's work without Dask, on a worker (one BLAS thread, like the tasks).
+        # The same chunk's work without Dask, on one worker (one BLAS thread, like the tasks),
+        # then on every worker at once: what this machine gives N processes right now.
+        eager_kwargs = {
+            "heads": sizes["heads_per_chunk"],
+            "seq_len": sizes["seq_len"],
+            "dim": sizes["dim"],
+            "chunk_size": args.chunk_size,
+            "dtype": args.dtype,
+            "seed": args.seed,
+        }
+        addresses = sorted(client.scheduler_info()["workers"])
         eager = client.submit(
-            eager_chunk_seconds,
-            heads=sizes["heads_per_chunk"],
-            seq_len=sizes["seq_len"],
-            dim=sizes["dim"],
-            chunk_size=args.chunk_size,
-            dtype=args.dtype,
-            seed=args.seed,
-            pure=False,
+            eager_chunk_seconds, **eager_kwargs, workers=addresses[:1], pure=False
         ).result()
+        together = client.gather(
+            [
+                client.submit(eager_chunk_seconds, **eager_kwargs, workers=[a], pure=False)
+                for a in addresses
+            ]
+        )
+        machine_speedup = len(addresses) * eager / statistics.mean(together)
         load_before = os.getloadavg()[0]
         cpu_before = client.run(_worker_cpu_seconds)
         result, seconds = _run_once(client, sums, label)
@@ -269,6 +279,8 @@ def _one_run(args: argparse.Namespace, sizes: dict[str, int], n_workers: int | N
         "eager_numpy_chunk_seconds": eager,
         "eager_numpy_tokens_per_s": eager_tokens / eager,
         "efficiency_vs_eager": (tokens / seconds) / (n_workers * eager_tokens / eager),
+        "eager_all_workers_at_once_chunk_seconds": together,
+        "machine_parallel_speedup": machine_speedup,
         "load_average_before_after": [load_before, load_after],
         "peak_worker_rss_bytes": [s["peak_rss_bytes"] for s in stats.values()],
         "spilled_bytes": sum(s["spilled_bytes"] for s in stats.values()),
@@ -280,7 +292,8 @@ def _one_run(args: argparse.Namespace, sizes: dict[str, int], n_workers: int | N
     print(
         f" {label}: {seconds:.1f}s, {run_['tokens_per_s'] / 1e6:.3f} M tokens/s, "
         f"{run_['input_GB_per_s']:.3f} GB/s of input, {run_['cores_busy']:.2f} cores busy "
-        f"({run_['efficiency_vs_eager']:.0%} of {n_workers} x eager NumPy); "
+        f"({run_['efficiency_vs_eager']:.0%} of {n_workers} x eager NumPy; eager NumPy on all "
+        f"workers at once runs {machine_speedup:.2f}x one worker's rate); "
         f"load {load_before:.1f}->{load_after:.1f}; peak worker RSS "
         f"{max(run_['peak_worker_rss_bytes']) / 1e6:.0f} MB; spilled "
         f"{run_['spilled_bytes'] / 1e6:.0f} MB; sent between workers "
@@ -330,6 +343,9 @@ def scaleout(args: argparse.Namespace) -> dict[str, Any]:
                     r["tokens_per_cpu_second"] for r in mine
                 ),
                 "efficiency_vs_eager": statistics.median(r["efficiency_vs_eager"] for r in mine),
+                "machine_parallel_speedup": statistics.median(
+                    r["machine_parallel_speedup"] for r in mine
+                ),
                 "max_peak_worker_rss_bytes": max(max(r["peak_worker_rss_bytes"]) for r in mine),
                 "spilled_bytes": max(r["spilled_bytes"] for r in mine),
                 "sent_between_workers_bytes": statistics.median(
@@ -343,7 +359,8 @@ def scaleout(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"summary: {row['workers']} worker(s): median {row['median_seconds']:.1f}s, "
             f"{row['tokens_per_s'] / 1e6:.3f} M tokens/s, speed-up "
-            f"{row['speedup_vs_fewest_workers']:.2f}x, {row['cores_busy']:.2f} cores busy, "
+            f"{row['speedup_vs_fewest_workers']:.2f}x (eager NumPy: "
+            f"{row['machine_parallel_speedup']:.2f}x), {row['cores_busy']:.2f} cores busy, "
             f"{row['tokens_per_cpu_second'] / 1e6:.3f} M tokens per worker CPU second",
             flush=True,
         )

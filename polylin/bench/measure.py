@@ -26,11 +26,12 @@ __all__ = ["Progress", "Timing", "gemm_rate", "peak_memory", "time_call"]
 
 @dataclass
 class Timing:
-    """Times of one benchmarked call (seconds) and the minor page faults per call."""
+    """Times of one benchmarked call (seconds), minor page faults per call, the last output."""
 
     times: list[float] = field(default_factory=list)
     warmup: float = 0.0
     faults: float = 0.0
+    output: Any = None
 
     @property
     def median(self) -> float:
@@ -61,11 +62,12 @@ def time_call(
     times = []
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(n):
+        out = None  # free the previous output before the next call
         start = time.perf_counter()
-        backend.synchronize(fn())
+        out = backend.synchronize(fn())
         times.append(time.perf_counter() - start)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return Timing(times=times, warmup=warmup, faults=faults / n)
+    return Timing(times=times, warmup=warmup, faults=faults / n, output=out)
 
 
 def peak_memory(backend: Backend, fn: Callable[[], Any]) -> int | None:

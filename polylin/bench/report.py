@@ -131,6 +131,14 @@ def summarize(report: dict) -> str:
         f"-> {meta.get('load_average_end', '?')} (other work on the machine makes times noisy; "
         "compare the ratios, taken within this run)",
     ]
+    load = meta.get("load_average_start") or [0.0]
+    if load[0] > 0.5 * (meta.get("cpu_count") or 1):
+        lines.append(
+            f"WARNING: load average {load[0]:.1f} on {meta.get('cpu_count')} CPUs at the start: "
+            "other processes compete for the cores, and multi-threaded libraries stall on "
+            "every parallel operation; these times are not representative (see "
+            "docs/performance.md, 'Noise')"
+        )
     for backend, rate in report.get("gemm_flops_per_s", {}).items():
         lines.append(f"float32 GEMM rate, {backend}: {rate / 1e9:.1f} GFLOP/s")
     for backend, reason in report.get("unavailable", {}).items():
