@@ -100,8 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "are extrapolated per token (default 4096)",
     )
     parser.add_argument(
-        "--quadratic-budget-mb", type=float, default=1024.0,
-        help="skip the quadratic form where its T x T matrices would pass this (default 1024)",
+        "--quadratic-budget-mb", type=float, default=2048.0,
+        help="skip the quadratic form where its T x T matrices would pass this (default 2048)",
     )
     parser.add_argument(
         "--decode-positions", nargs="+", type=int,
