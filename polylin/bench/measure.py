@@ -10,12 +10,14 @@ no counters of its own; on CUDA, ``torch.cuda.max_memory_allocated``); other bac
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
 import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -113,7 +115,7 @@ def _torch_cpu_peak(fn: Callable[[], Any]) -> int:
     # time order is the memory in use; its maximum is the peak.
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
         del out
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
@@ -122,6 +124,21 @@ def _torch_cpu_peak(fn: Callable[[], Any]) -> int:
         current += event.self_cpu_memory_usage
         peak = max(peak, current)
     return peak
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    # The profiler's C++ side logs start/stop lines straight to file descriptor 2, which
+    # would break the progress bar's line; Python-level errors still raise.
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def gemm_rate(backend: Backend, n: int, *, repeats: int = 3) -> float:
