@@ -335,6 +335,11 @@ def _meta(args: argparse.Namespace, argv: list[str]) -> dict:
         "numpy": np.__version__, "command": "python -m polylin bench " + " ".join(argv),
         "chunk_size": args.chunk_size_used,
         "load_average_start": list(os.getloadavg()),
+        "thread_env": {
+            name: os.environ[name]
+            for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+            if name in os.environ
+        },
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     try:

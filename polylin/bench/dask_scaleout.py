@@ -244,16 +244,18 @@ def _one_run(args: argparse.Namespace, sizes: dict[str, int], n_workers: int | N
             "seed": args.seed,
         }
         addresses = sorted(client.scheduler_info()["workers"])
-        eager = client.submit(
-            eager_chunk_seconds, **eager_kwargs, workers=addresses[:1], pure=False
-        ).result()
-        together = client.gather(
+        together = client.gather(  # also warms every worker up for the solo run
             [
                 client.submit(eager_chunk_seconds, **eager_kwargs, workers=[a], pure=False)
                 for a in addresses
             ]
         )
-        machine_speedup = len(addresses) * eager / statistics.mean(together)
+        eager = client.submit(
+            eager_chunk_seconds, **eager_kwargs, workers=addresses[:1], pure=False
+        ).result()
+        machine_speedup = (
+            len(addresses) * eager / statistics.mean(together) if len(addresses) > 1 else 1.0
+        )
         load_before = os.getloadavg()[0]
         cpu_before = client.run(_worker_cpu_seconds)
         result, seconds = _run_once(client, sums, label)

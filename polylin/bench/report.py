@@ -127,9 +127,10 @@ def summarize(report: dict) -> str:
     lines = [
         f"polylin bench: {meta.get('command', '')}",
         f"machine: {meta.get('platform', '?')}, {meta.get('cpu_count', '?')} CPUs, torch threads "
-        f"{meta.get('torch_threads', '-')}, load average {meta.get('load_average_start', '?')} "
-        f"-> {meta.get('load_average_end', '?')} (other work on the machine makes times noisy; "
-        "compare the ratios, taken within this run)",
+        f"{meta.get('torch_threads', '-')} {meta.get('thread_env') or ''}, load average "
+        f"{[round(x, 1) for x in meta.get('load_average_start', [])]} -> "
+        f"{[round(x, 1) for x in meta.get('load_average_end', [])]} (other work on the machine "
+        "makes times noisy; compare the ratios, taken within this run)",
     ]
     load = meta.get("load_average_start") or [0.0]
     if load[0] > 0.5 * (meta.get("cpu_count") or 1):
