@@ -38,10 +38,11 @@ from ._ops import causal_mask, pad_rows
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
 #: Bytes per block on eager CPU backends, counted as batch x tokens x (d_phi + d_v) x itemsize;
-#: chosen by measurement (``docs/performance.md``): 1 MiB is 2048 rows (batch x tokens) at
-#: d = 64 and 1024 rows at d = 128 in float32, the best of 1024 ... 8192 rows at each; larger
-#: blocks spill the cache, smaller ones pay per-operation overhead.
-BLOCK_BYTES = 2**20
+#: chosen by measurement (``docs/performance.md``): 2 MiB is 4096 rows (batch x tokens) at
+#: d = 64 and 2048 at d = 128 in float32. With the libraries' default threads it was as fast or
+#: faster than 1, 4 and 8 MiB (larger blocks spill the cache, smaller ones pay more
+#: per-operation overhead); on one thread 1 MiB is up to 10% faster.
+BLOCK_BYTES = 2 * 2**20
 
 #: ``features(start, stop)`` returns ``(phi(q), phi(k))`` of tokens ``start:stop`` in the work
 #: dtype, masked keys already zeroed.
