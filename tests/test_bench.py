@@ -150,3 +150,18 @@ def test_progress_bar_counts_to_total():
     bar.close()
     last = stream.getvalue().rstrip("\n").split("\r")[-1]
     assert last.startswith("[######] 3/3") and last.rstrip().endswith("c")
+
+
+def test_lazy_backend_runs_and_decodes_from_a_materialized_state(tmp_path, capsys):
+    if not Backend.DASK.available():
+        pytest.skip(Backend.DASK.unavailable_reason())
+    code, _, report = _run(
+        tmp_path, capsys, "--backends", "dask", "--methods", "chunked", "plain",
+        "--seq-lens", "32", "--no-plot", "--decode-positions", "1", "8",
+    )
+    assert code == 0
+    assert [r["position"] for r in report["decode"]] == [1, 8]
+    assert all(r["per_token_s"] > 0 for r in report["decode"])
+    assert report["memory_check"][0]["peak_bytes"] is None  # no allocator counters for Dask
+    plain = next(r for r in report["results"] if r["method"] == "plain")
+    assert plain["max_abs_diff_vs_chunked"] < 1e-4

@@ -272,7 +272,7 @@ def _sweep(args, backends, report, progress) -> None:
 def _decode(args, backends, report, progress) -> None:
     import numpy as np
 
-    from .. import causal_linear_attention, step
+    from .. import LinearAttentionState, causal_linear_attention, step
     from .measure import time_call
 
     d = args.dims[0]
@@ -280,8 +280,10 @@ def _decode(args, backends, report, progress) -> None:
         for position in args.decode_positions:
             progress.show(f"{backend} decode at position {position}")
             q, k, v = _inputs(backend, args.batch, position, d, args.dtype, seed=1)
-            _, state = backend.synchronize(
-                causal_linear_attention(q, k, v, return_state=True)
+            _, state = causal_linear_attention(q, k, v, return_state=True)
+            # materialized (a lazy state would replay the prefill at every step)
+            state = LinearAttentionState(
+                *(backend.from_numpy(backend.to_numpy(x)) for x in state)
             )
             del q, k, v
             rng = np.random.default_rng(2)
