@@ -45,6 +45,7 @@ from typing import Any
 
 from .. import __version__, causal_linear_attention, masked_kernel_attention
 from ..testing import Backend
+from .baselines import seed_loop  # the design note's loop, shared with the CPU benchmark
 
 __all__ = ["DEFAULT_SEQ_LENS", "SCHEMA", "add_arguments", "run", "seed_loop", "summarize"]
 
@@ -330,54 +331,6 @@ IMPLS: dict[str, Callable[[_Context, _Cell], dict]] = {
     "sdpa": _impl_sdpa,
     "fla_chunk": _impl_fla,
 }
-
-
-def seed_loop(q: Any, k: Any, v: Any, eps: float = 1e-6) -> Any:
-    """The design note's causal linear attention, one token at a time (PyTorch, einsum).
-
-    A baseline, transcribed as written: ``(batch, T, d)`` tensors, ``elu(x) + 1``, a running
-    state and normalizer, and one output per step.
-
-    Parameters
-    ----------
-    q, k : torch.Tensor
-        ``(batch, T, d_k)``.
-    v : torch.Tensor
-        ``(batch, T, d_v)``.
-    eps : float
-        Added to the normalizer.
-
-    Returns
-    -------
-    torch.Tensor
-        ``(batch, T, d_v)``.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from polylin.bench.gpu import seed_loop
-    >>> q, k, v = torch.randn(3, 1, 5, 4, dtype=torch.float64)
-    >>> out = seed_loop(q, k, v)
-    >>> out.shape
-    torch.Size([1, 5, 4])
-    >>> bool(torch.allclose(out[:, 0], v[:, 0]))  # position 0 attends to itself only
-    True
-    """
-    import torch
-    import torch.nn.functional as F
-
-    phi_q, phi_k = F.elu(q) + 1.0, F.elu(k) + 1.0
-    batch, seq_len, d_k = q.shape
-    state = torch.zeros(batch, d_k, v.shape[-1], device=q.device, dtype=q.dtype)
-    normalizer = torch.zeros(batch, d_k, device=q.device, dtype=q.dtype)
-    outputs = []
-    for t in range(seq_len):
-        state = state + phi_k[:, t, :].unsqueeze(-1) * v[:, t, :].unsqueeze(1)
-        normalizer = normalizer + phi_k[:, t, :]
-        numerator = torch.einsum("bd,bdv->bv", phi_q[:, t, :], state)
-        denominator = torch.einsum("bd,bd->b", phi_q[:, t, :], normalizer).unsqueeze(-1)
-        outputs.append((numerator / (denominator + eps)).unsqueeze(1))
-    return torch.cat(outputs, dim=1)
 
 
 # --------------------------------------------------------------------------------------------
