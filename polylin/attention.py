@@ -139,6 +139,7 @@ def causal_linear_attention(
         return fq, (fk if mask is None else fk * mask[..., start:stop, :])
 
     T = q.shape[-2]
+    # The chunked form maps its own blocks: there a one-token probe gives the feature size.
     fq, fk = features(0, min(T, 1)) if method == "chunked" else features(0, T)
     S, z = check_state(
         c, initial_state, c.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
