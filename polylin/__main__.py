@@ -76,7 +76,9 @@ def demo(args: argparse.Namespace) -> int:
                 )
     skipped = [b for b in Backend if not b.available()]
     if skipped:
-        print("\nnot run here: " + "; ".join(f"{b} ({b.unavailable_reason()})" for b in skipped))
+        print("\nnot run here:")
+        for b in skipped:
+            print(f"  {b.value:<17} {b.unavailable_reason()}")
     return 0
 
 
