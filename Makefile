@@ -14,17 +14,21 @@ help:
 	@echo "make bench  run the benchmark; writes bench-results/ (JSON + PNG)"
 	@echo "make gpu-wheels  fetch the wheels the GPU machine lacks into .whl/ (docs/gpu.md)"
 
+# pip runs with -qq: errors still show, the build backend's notices about editable installs do not.
 $(VENV)/bin/python:
+	@echo "creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
+	$(PIP) install -qq --upgrade pip
 
 # Stamp files: each extra set is installed once, re-installed when pyproject changes.
 $(VENV)/.demo-stamp: pyproject.toml backends/torch-cpu-constraints.txt | $(VENV)/bin/python
-	$(PIP) install --quiet $(CONSTRAINTS) -e ".[numpy,torch]"
+	@echo "installing polylin with NumPy and CPU PyTorch into $(VENV) (a minute or so the first time)"
+	$(PIP) install -qq $(CONSTRAINTS) -e ".[numpy,torch]"
 	touch $@
 
 $(VENV)/.test-stamp: pyproject.toml backends/torch-cpu-constraints.txt | $(VENV)/bin/python
-	$(PIP) install --quiet $(CONSTRAINTS) -e ".[numpy,torch,strict,jax,dask,cupy,test,docs,bench]"
+	@echo "installing polylin with every CPU backend, test and docs tools into $(VENV) (a few minutes the first time)"
+	$(PIP) install -qq $(CONSTRAINTS) -e ".[numpy,torch,strict,jax,dask,cupy,test,docs,bench]"
 	touch $@
 
 venv: $(VENV)/.test-stamp
