@@ -26,14 +26,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from array_api_compat import (
-    device,
-    is_array_api_strict_namespace,
-    is_numpy_namespace,
-    is_torch_namespace,
-)
+from array_api_compat import device
 
 from ._ops import causal_mask, pad_rows
+from ._policy import eager_cpu
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
@@ -47,13 +43,6 @@ BLOCK_BYTES = 2 * 2**20
 #: ``features(start, stop)`` returns ``(phi(q), phi(k))`` of tokens ``start:stop`` in the work
 #: dtype, masked keys already zeroed.
 Features = Callable[[int, int], tuple[Any, Any]]
-
-
-def _eager_cpu(xp: Any, dev: Any) -> bool:
-    """Whether ``xp`` runs each operation at once on the CPU (where blocking pays)."""
-    if is_numpy_namespace(xp) or is_array_api_strict_namespace(xp):
-        return True
-    return is_torch_namespace(xp) and str(dev) == "cpu"
 
 
 def block_tokens(eager: bool, length: int, chunk: int, token_bytes: int) -> int:
@@ -82,7 +71,7 @@ def causal_chunked(
     # The ones column turns the normalizer into one more output column (see module docstring).
     state = xp.concat([S, z[..., None]], axis=-1)  # (..., d_phi, d_v + 1)
     chunk = min(chunk_size, T)
-    eager = _eager_cpu(xp, dev)
+    eager = eager_cpu(xp, dev)
     itemsize = xp.finfo(v.dtype).bits // 8
     token_bytes = math.prod(batch) * (S.shape[-2] + d_v) * itemsize
     block = block_tokens(eager, T, chunk, token_bytes)
@@ -91,9 +80,7 @@ def causal_chunked(
     for start in range(0, T, block):
         stop = min(start + block, T)
         fq, fk = features(start, stop)
-        out, state = _block(
-            xp, fq, fk, v[..., start:stop, :], state, mask, eps=eps, chained=eager
-        )
+        out, state = _block(xp, fq, fk, v[..., start:stop, :], state, mask, eps=eps, chained=eager)
         outputs.append(out)
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
     return out, state[..., :d_v], state[..., d_v]

@@ -10,32 +10,12 @@ looking at data; the cost is that of a batch of ``N`` sequences of the longest l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
 from ._ops import pad_rows
 
-__all__ = ["check_cu_seqlens", "length_mask", "pack", "unpack"]
-
-
-def check_cu_seqlens(cu_seqlens: Sequence[int], total: int) -> list[int]:
-    """Validate offsets ``[0, l1, l1 + l2, ..., total]`` and return them as a list of ints."""
-    if isinstance(cu_seqlens, (str, bytes)) or not isinstance(cu_seqlens, Sequence):
-        raise TypeError(
-            "cu_seqlens must be a sequence of Python ints [0, l1, l1+l2, ...], "
-            f"got {type(cu_seqlens).__name__}"
-        )
-    offsets = list(cu_seqlens)
-    if not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets):
-        raise TypeError("cu_seqlens must contain Python ints only")
-    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
-        raise ValueError(
-            f"cu_seqlens must start at 0 and end at the sequence length {total}, got {offsets}"
-        )
-    if any(b < a for a, b in pairwise(offsets)):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
-    return offsets
+__all__ = ["length_mask", "pack", "unpack"]
 
 
 def _spans(offsets: list[int]) -> list[tuple[int, int]]:

@@ -7,12 +7,13 @@ from itertools import pairwise
 from typing import Any
 
 from ._chunked import causal_chunked
-from ._namespace import check_attention_inputs, check_options
-from ._prepare import apply_feature_map, check_mask, check_state, finish, to_work_dtype
+from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
+from ._prepare import apply_feature_map, finish
 from ._quadratic import quadratic
 from ._recurrent import causal_recurrent
 from ._state import LinearAttentionState
-from ._varlen import check_cu_seqlens, length_mask, pack, unpack
+from ._validation import check_cu_seqlens, check_mask, check_options, check_qkv, check_state
+from ._varlen import length_mask, pack, unpack
 
 __all__ = [
     "METHODS",
@@ -35,8 +36,8 @@ def causal_linear_attention(
     feature_map: FeatureMap | None = None,
     *,
     method: str = "chunked",
-    chunk_size: int = 64,
-    eps: float = 1e-6,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    eps: float = DEFAULT_EPS,
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
     attention_mask: Any | None = None,
@@ -106,7 +107,7 @@ def causal_linear_attention(
     >>> bool(np.allclose(out, ref))
     True
     """
-    c = check_attention_inputs(q, k, v, causal=True)
+    inputs = check_qkv(q, k, v, causal=True)
     check_options(eps=eps, chunk_size=chunk_size)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -116,42 +117,44 @@ def causal_linear_attention(
         offsets = check_cu_seqlens(cu_seqlens, q.shape[-2])
         max_len = max(b - a for a, b in pairwise(offsets))
         out, state = causal_linear_attention(
-            *(pack(c.xp, x, offsets, max_len) for x in (q, k, v)),
+            *(pack(inputs.xp, x, offsets, max_len) for x in (q, k, v)),
             feature_map,
             method=method,
             chunk_size=chunk_size,
             eps=eps,
             initial_state=initial_state,
             return_state=True,
-            attention_mask=length_mask(c.xp, offsets, max_len, c.device),
+            attention_mask=length_mask(inputs.xp, offsets, max_len, inputs.device),
         )
-        out = unpack(c.xp, out, offsets)
+        out = unpack(inputs.xp, out, offsets)
         return (out, state) if return_state else out
 
-    v = to_work_dtype(c, v)
+    v = inputs.to_work_dtype(v)
     mask = None
     if attention_mask is not None:
-        mask = check_mask(c, attention_mask, q.shape[-2])
+        mask = check_mask(inputs, attention_mask, q.shape[-2])
 
     def features(start: int, stop: int) -> tuple[Any, Any]:
         # A feature map acts on each token alone, so the chunked form maps block by block.
-        fq, fk = apply_feature_map(c, feature_map, q[..., start:stop, :], k[..., start:stop, :])
+        fq, fk = apply_feature_map(
+            inputs, feature_map, q[..., start:stop, :], k[..., start:stop, :]
+        )
         return fq, (fk if mask is None else fk * mask[..., start:stop, :])
 
     T = q.shape[-2]
     # The chunked form maps its own blocks: there a one-token probe gives the feature size.
     fq, fk = features(0, min(T, 1)) if method == "chunked" else features(0, T)
     S, z = check_state(
-        c, initial_state, c.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
+        inputs, initial_state, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
     )
-    xp = c.xp
+    xp = inputs.xp
     if method == "chunked":
         out, S, z = causal_chunked(xp, features, v, S, z, chunk_size=chunk_size, eps=eps)
     elif method == "recurrent":
         out, S, z = causal_recurrent(xp, fq, fk, v, S, z, eps=eps)
     else:
         out, S, z = quadratic(xp, fq, fk, v, S, z, causal=True, eps=eps)
-    out = finish(c, out, mask)
+    out = finish(inputs, out, mask)
     return (out, LinearAttentionState(S, z)) if return_state else out
 
 
@@ -162,7 +165,7 @@ def linear_attention(
     /,
     feature_map: FeatureMap | None = None,
     *,
-    eps: float = 1e-6,
+    eps: float = DEFAULT_EPS,
     attention_mask: Any | None = None,
 ) -> Any:
     """Non-causal linear attention: every query attends to every key.
@@ -211,20 +214,20 @@ def linear_attention(
            [1., 1.],
            [1., 1.]])
     """
-    c = check_attention_inputs(q, k, v, causal=False)
+    inputs = check_qkv(q, k, v, causal=False)
     check_options(eps=eps)
-    xp = c.xp
-    fq, fk = apply_feature_map(c, feature_map, q, k)
-    v = to_work_dtype(c, v)
+    xp = inputs.xp
+    fq, fk = apply_feature_map(inputs, feature_map, q, k)
+    v = inputs.to_work_dtype(v)
     query_mask = None
     if attention_mask is not None:
-        mask = check_mask(c, attention_mask, k.shape[-2])
+        mask = check_mask(inputs, attention_mask, k.shape[-2])
         fk = fk * mask
         query_mask = mask if q.shape[-2] == k.shape[-2] else None
     S = xp.matmul(xp.matrix_transpose(fk), v)
     z = xp.sum(fk, axis=-2)
     out = xp.matmul(fq, S) / (xp.matmul(fq, z[..., None]) + eps)
-    return finish(c, out, query_mask)
+    return finish(inputs, out, query_mask)
 
 
 def masked_kernel_attention(
@@ -235,7 +238,7 @@ def masked_kernel_attention(
     feature_map: FeatureMap | None = None,
     *,
     causal: bool = True,
-    eps: float = 1e-6,
+    eps: float = DEFAULT_EPS,
 ) -> Any:
     """The quadratic reference: ``A = tril(phi(Q) phi(K)^T)``, ``O = A V / (A 1 + eps)``.
 
@@ -278,10 +281,10 @@ def masked_kernel_attention(
            [2.],
            [2.]])
     """
-    c = check_attention_inputs(q, k, v, causal=causal)
+    inputs = check_qkv(q, k, v, causal=causal)
     check_options(eps=eps)
-    fq, fk = apply_feature_map(c, feature_map, q, k)
-    v = to_work_dtype(c, v)
-    S, z = check_state(c, None, c.batch_shape, fq.shape[-1], v.shape[-1], name="state")
-    out, _, _ = quadratic(c.xp, fq, fk, v, S, z, causal=causal, eps=eps)
-    return finish(c, out, None)
+    fq, fk = apply_feature_map(inputs, feature_map, q, k)
+    v = inputs.to_work_dtype(v)
+    S, z = check_state(inputs, None, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="state")
+    out, _, _ = quadratic(inputs.xp, fq, fk, v, S, z, causal=causal, eps=eps)
+    return finish(inputs, out, None)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._namespace import check_attention_inputs, check_options
-from ._prepare import apply_feature_map, check_state, finish, to_work_dtype
+from ._policy import DEFAULT_EPS
+from ._prepare import apply_feature_map, finish
 from ._recurrent import recurrent_step
 from ._state import LinearAttentionState
+from ._validation import check_options, check_qkv, check_state
 from .attention import FeatureMap
 
 __all__ = ["step"]
@@ -21,7 +22,7 @@ def step(
     state: LinearAttentionState | None = None,
     feature_map: FeatureMap | None = None,
     *,
-    eps: float = 1e-6,
+    eps: float = DEFAULT_EPS,
 ) -> tuple[Any, LinearAttentionState]:
     """Attend one new token: update the state with ``(k_t, v_t)`` and read it with ``q_t``.
 
@@ -73,10 +74,10 @@ def step(
     >>> bool(np.allclose(np.stack(outputs), whole[6:]))
     True
     """
-    c = check_attention_inputs(q_t, k_t, v_t, causal=True, single_token=True)
+    inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
     check_options(eps=eps)
-    fq, fk = apply_feature_map(c, feature_map, q_t, k_t)
-    v_t = to_work_dtype(c, v_t)
-    S, z = check_state(c, state, c.batch_shape, fq.shape[-1], v_t.shape[-1], name="state")
-    o_t, S, z = recurrent_step(c.xp, fq, fk, v_t, S, z, eps)
-    return finish(c, o_t, None), LinearAttentionState(S, z)
+    fq, fk = apply_feature_map(inputs, feature_map, q_t, k_t)
+    v_t = inputs.to_work_dtype(v_t)
+    S, z = check_state(inputs, state, inputs.batch_shape, fq.shape[-1], v_t.shape[-1], name="state")
+    o_t, S, z = recurrent_step(inputs.xp, fq, fk, v_t, S, z, eps)
+    return finish(inputs, o_t, None), LinearAttentionState(S, z)

@@ -29,6 +29,8 @@ from typing import Any
 
 import array_api_compat
 
+from ._policy import cacheable
+
 __all__ = [
     "FAVOR_MAX_KEY_EXPONENT",
     "FAVOR_MAX_QUERY_EXPONENT",
@@ -316,19 +318,6 @@ def _favor_projection(
     return tuple(tuple(a * n for a in row) for row, n in zip(rows, norms))
 
 
-def _cacheable(x: Any) -> bool:
-    """Whether a freshly made constant may be reused by later calls.
-
-    Not a JAX tracer (a constant made inside ``jit`` must not outlive its trace), and not a
-    PyTorch inference tensor (made under ``torch.inference_mode``, it could not be saved for
-    backward by a later training step).
-    """
-    if any(cls.__name__ == "Tracer" for cls in type(x).__mro__):
-        return False
-    is_inference = getattr(x, "is_inference", None)
-    return not (callable(is_inference) and is_inference())
-
-
 class FavorPlusFeatureMap:
     """Performer's positive random features for the softmax kernel; made by :func:`favor_plus`.
 
@@ -406,7 +395,7 @@ class FavorPlusFeatureMap:
         matrix = self._cache.get(key)
         if matrix is None:
             matrix = xp.asarray(self._matrix, dtype=x.dtype, device=dev)
-            if _cacheable(matrix):
+            if cacheable(matrix):
                 self._cache[key] = matrix
         return matrix
 

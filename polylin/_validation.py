@@ -1,25 +1,32 @@
-"""Resolve the array namespace, device and dtype policy, and validate inputs.
+"""Input validation: the one place that checks what callers pass in.
 
-This is the one place that knows how arrays from different libraries are told apart. Everything
-else receives ``xp`` (an array-API namespace) and arrays that are known to be consistent.
+It resolves the array namespace, device and dtype policy of ``q, k, v`` into an
+:class:`AttentionInputs` record, and checks masks, states, packed-sequence offsets and scalar
+options against it. Every check raises a ``TypeError`` or ``ValueError`` naming the argument.
+Everything after it receives ``xp`` (an array-API namespace) and arrays known to be consistent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 import array_api_compat
 
 __all__ = [
-    "Checked",
-    "check_attention_inputs",
+    "AttentionInputs",
+    "check_cu_seqlens",
+    "check_mask",
     "check_options",
-    "compute_dtype",
+    "check_qkv",
+    "check_state",
     "namespace_of",
+    "work_dtype_for",
 ]
 
 
-class Checked(NamedTuple):
+class AttentionInputs(NamedTuple):
     """What the entry points need to know about validated ``q, k, v``."""
 
     xp: Any
@@ -27,6 +34,10 @@ class Checked(NamedTuple):
     dtype: Any  # the inputs' dtype, which the output gets back
     work_dtype: Any  # the dtype the algorithms accumulate in (float32 for half inputs)
     batch_shape: tuple  # the leading dimensions shared by q, k and v
+
+    def to_work_dtype(self, x: Any) -> Any:
+        """Cast ``x`` to the accumulation dtype (a no-op for float32 and float64)."""
+        return x if x.dtype == self.work_dtype else self.xp.astype(x, self.work_dtype)
 
 
 def _library(x: Any) -> str:
@@ -67,7 +78,7 @@ def _check_device(xp: Any, device: Any, first: str, **arrays: Any) -> None:
             raise ValueError(f"{name} is on device {other} but {first} is on device {device}")
 
 
-def compute_dtype(xp: Any, dtype: Any) -> Any:
+def work_dtype_for(xp: Any, dtype: Any) -> Any:
     """The dtype to accumulate in: float32 for 16-bit floats, the dtype itself otherwise.
 
     Bit width is read from ``finfo`` rather than compared to ``xp.float16``: not every namespace
@@ -91,9 +102,9 @@ def _check_known_shape(name: str, x: Any) -> None:
         )
 
 
-def check_attention_inputs(
+def check_qkv(
     q: Any, k: Any, v: Any, *, causal: bool, single_token: bool = False
-) -> Checked:
+) -> AttentionInputs:
     """Validate ``q``, ``k``, ``v`` and resolve namespace, device and dtypes.
 
     ``q`` and ``k`` are ``(..., T, d_k)``, ``v`` is ``(..., T, d_v)``, with identical leading
@@ -137,7 +148,7 @@ def check_attention_inputs(
                 f"{name} has leading dimensions {tuple(x.shape[:-core])} but {qn} has "
                 f"{batch_shape}; they must be identical"
             )
-    return Checked(xp, device, q.dtype, compute_dtype(xp, q.dtype), batch_shape)
+    return AttentionInputs(xp, device, q.dtype, work_dtype_for(xp, q.dtype), batch_shape)
 
 
 def check_options(*, eps: float, chunk_size: int | None = None) -> None:
@@ -151,3 +162,82 @@ def check_options(*, eps: float, chunk_size: int | None = None) -> None:
             raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def check_mask(inputs: AttentionInputs, attention_mask: Any, length: int) -> Any:
+    """Validate a boolean ``(..., T)`` mask and return it as ``(..., T, 1)`` in the work dtype.
+
+    The mask must broadcast against the leading dimensions of ``q`` with the usual right-aligned
+    rules, so a ``(batch, T)`` mask for ``(batch, heads, T, d)`` inputs is ``mask[:, None, :]``.
+    """
+    xp = inputs.xp
+    if namespace_of(attention_mask=attention_mask) is not xp:
+        raise TypeError("attention_mask must be an array of the same library as q")
+    if array_api_compat.device(attention_mask) != inputs.device:
+        raise ValueError(
+            f"attention_mask is on device {array_api_compat.device(attention_mask)} "
+            f"but q is on device {inputs.device}"
+        )
+    if not xp.isdtype(attention_mask.dtype, "bool"):
+        raise TypeError(
+            f"attention_mask must be boolean (True for real tokens), got {attention_mask.dtype}"
+        )
+    full = (*inputs.batch_shape, length)
+    shape = tuple(attention_mask.shape)
+    ok = 1 <= len(shape) <= len(full) and all(
+        m in (1, f) for m, f in zip(reversed(shape), reversed(full))
+    )
+    if not ok or shape[-1] != length:
+        raise ValueError(
+            f"attention_mask must have shape (..., T) broadcastable to {full}, got {shape}"
+        )
+    return xp.astype(attention_mask, inputs.work_dtype)[..., None]
+
+
+def check_state(
+    inputs: AttentionInputs, state: Any, batch_shape: tuple, d_phi: int, d_v: int, *, name: str
+) -> tuple[Any, Any]:
+    """Return ``(S, z)`` in the work dtype: zeros for ``None``, else the checked state."""
+    xp = inputs.xp
+    if state is None:
+        S = xp.zeros((*batch_shape, d_phi, d_v), dtype=inputs.work_dtype, device=inputs.device)
+        z = xp.zeros((*batch_shape, d_phi), dtype=inputs.work_dtype, device=inputs.device)
+        return S, z
+    if not isinstance(state, tuple) or len(state) != 2:
+        raise TypeError(f"{name} must be a LinearAttentionState (S, z), got {type(state).__name__}")
+    S, z = state
+    if namespace_of(**{f"{name}.S": S, f"{name}.z": z}) is not xp:
+        raise TypeError(f"{name} must hold arrays of the same library as q")
+    for part, x, want in (
+        ("S", S, (*batch_shape, d_phi, d_v)),
+        ("z", z, (*batch_shape, d_phi)),
+    ):
+        if array_api_compat.device(x) != inputs.device:
+            raise ValueError(
+                f"{name}.{part} is on device {array_api_compat.device(x)} "
+                f"but q is on device {inputs.device}"
+            )
+        if not xp.isdtype(x.dtype, "real floating"):
+            raise TypeError(f"{name}.{part} must have a real floating dtype, got {x.dtype}")
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name}.{part} must have shape {want}, got {tuple(x.shape)}")
+    return inputs.to_work_dtype(S), inputs.to_work_dtype(z)
+
+
+def check_cu_seqlens(cu_seqlens: Sequence[int], total: int) -> list[int]:
+    """Validate offsets ``[0, l1, l1 + l2, ..., total]`` and return them as a list of ints."""
+    if isinstance(cu_seqlens, (str, bytes)) or not isinstance(cu_seqlens, Sequence):
+        raise TypeError(
+            "cu_seqlens must be a sequence of Python ints [0, l1, l1+l2, ...], "
+            f"got {type(cu_seqlens).__name__}"
+        )
+    offsets = list(cu_seqlens)
+    if not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets):
+        raise TypeError("cu_seqlens must contain Python ints only")
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at the sequence length {total}, got {offsets}"
+        )
+    if any(b < a for a, b in pairwise(offsets)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+    return offsets
