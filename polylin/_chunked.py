@@ -26,10 +26,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from array_api_compat import device
-
 from ._ops import causal_mask, pad_rows
-from ._policy import eager_cpu
+from ._policy import device, eager_cpu
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 

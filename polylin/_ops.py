@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from array_api_compat import device
+from ._policy import device
 
 __all__ = ["causal_mask", "pad_rows"]
 

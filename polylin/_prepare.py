@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import array_api_compat
-
+from ._policy import is_array
 from ._validation import AttentionInputs
 from .feature_maps import elu_plus_one
 
@@ -33,7 +32,7 @@ def apply_feature_map(
     mapped = []
     for name, x, phi in (("q", q, map_query), ("k", k, feature_map)):
         fx = phi(inputs.to_work_dtype(x))
-        if not array_api_compat.is_array_api_obj(fx) or tuple(fx.shape[:-1]) != tuple(x.shape[:-1]):
+        if not is_array(fx) or tuple(fx.shape[:-1]) != tuple(x.shape[:-1]):
             raise ValueError(
                 f"feature_map must return an array of shape (..., d_phi) for {name} of shape "
                 f"{tuple(x.shape)}, got {getattr(fx, 'shape', type(fx).__name__)}"

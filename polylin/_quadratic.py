@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from array_api_compat import device
-
 from ._ops import causal_mask
+from ._policy import device
 
 __all__ = ["quadratic"]
 

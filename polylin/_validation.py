@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any, NamedTuple
 
-import array_api_compat
+from ._policy import array_namespace, is_array
+from ._policy import device as device_of
 
 __all__ = [
     "AttentionInputs",
@@ -55,10 +56,10 @@ def namespace_of(**arrays: Any) -> Any:
     xp = None
     first = None
     for name, x in arrays.items():
-        if not array_api_compat.is_array_api_obj(x):
+        if not is_array(x):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         try:
-            this = array_api_compat.array_namespace(x)
+            this = array_namespace(x)
         except TypeError as exc:
             raise TypeError(f"{name}: {exc}") from None
         if xp is None:
@@ -73,7 +74,7 @@ def namespace_of(**arrays: Any) -> Any:
 
 def _check_device(xp: Any, device: Any, first: str, **arrays: Any) -> None:
     for name, x in arrays.items():
-        other = array_api_compat.device(x)
+        other = device_of(x)
         if other != device:
             raise ValueError(f"{name} is on device {other} but {first} is on device {device}")
 
@@ -113,7 +114,7 @@ def check_qkv(
     """
     qn, kn, vn = names = ("q_t", "k_t", "v_t") if single_token else ("q", "k", "v")
     xp = namespace_of(**{qn: q, kn: k, vn: v})
-    device = array_api_compat.device(q)
+    device = device_of(q)
     _check_device(xp, device, qn, **{kn: k, vn: v})
     core, layout = (1, "(..., d)") if single_token else (2, "(..., T, d)")
     for name, x in zip(names, (q, k, v)):
@@ -173,9 +174,9 @@ def check_mask(inputs: AttentionInputs, attention_mask: Any, length: int) -> Any
     xp = inputs.xp
     if namespace_of(attention_mask=attention_mask) is not xp:
         raise TypeError("attention_mask must be an array of the same library as q")
-    if array_api_compat.device(attention_mask) != inputs.device:
+    if device_of(attention_mask) != inputs.device:
         raise ValueError(
-            f"attention_mask is on device {array_api_compat.device(attention_mask)} "
+            f"attention_mask is on device {device_of(attention_mask)} "
             f"but q is on device {inputs.device}"
         )
     if not xp.isdtype(attention_mask.dtype, "bool"):
@@ -212,9 +213,9 @@ def check_state(
         ("S", S, (*batch_shape, d_phi, d_v)),
         ("z", z, (*batch_shape, d_phi)),
     ):
-        if array_api_compat.device(x) != inputs.device:
+        if device_of(x) != inputs.device:
             raise ValueError(
-                f"{name}.{part} is on device {array_api_compat.device(x)} "
+                f"{name}.{part} is on device {device_of(x)} "
                 f"but q is on device {inputs.device}"
             )
         if not xp.isdtype(x.dtype, "real floating"):

@@ -27,9 +27,7 @@ import random
 from functools import lru_cache
 from typing import Any
 
-import array_api_compat
-
-from ._policy import cacheable
+from ._policy import array_namespace, cacheable, device
 
 __all__ = [
     "FAVOR_MAX_KEY_EXPONENT",
@@ -66,6 +64,15 @@ def _check_positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _zero(xp: Any, x: Any) -> Any:
+    """A 0-d zero of ``x``'s dtype and device: the second argument of ``minimum``/``maximum``.
+
+    An array, not the Python scalar ``0.0``: array-api-compat promotes a scalar through
+    ``torch.result_type``, which ``torch.compile`` cannot trace (a graph break per call).
+    """
+    return xp.zeros((), dtype=x.dtype, device=device(x))
+
+
 def elu_plus_one(x: Any, /) -> Any:
     """The default feature map, ``elu(x) + 1``: smooth and strictly positive.
 
@@ -89,10 +96,11 @@ def elu_plus_one(x: Any, /) -> Any:
     >>> elu_plus_one(np.array([-1.0, 0.0, 2.0]))
     array([0.36787944, 1.        , 3.        ])
     """
-    xp = array_api_compat.array_namespace(x)
+    xp = array_namespace(x)
+    zero = _zero(xp, x)
     # exp of min(x, 0), not where(x > 0, x + 1, exp(x)): the discarded branch of a
     # where still overflows for large x and poisons gradients with inf * 0 = nan.
-    return xp.exp(xp.minimum(x, 0.0)) + xp.maximum(x, 0.0)
+    return xp.exp(xp.minimum(x, zero)) + xp.maximum(x, zero)
 
 
 def relu(x: Any, /) -> Any:
@@ -121,8 +129,8 @@ def relu(x: Any, /) -> Any:
     >>> relu(np.array([-1.0])) > 0  # never exactly zero
     array([ True])
     """
-    xp = array_api_compat.array_namespace(x)
-    return xp.maximum(x, 0.0) + RELU_EPS
+    xp = array_namespace(x)
+    return xp.maximum(x, _zero(xp, x)) + RELU_EPS
 
 
 def identity(x: Any, /) -> Any:
@@ -190,11 +198,11 @@ def taylor_exp(x: Any, /) -> Any:
     >>> bool(np.isclose(taylor_exp(x) @ taylor_exp(y), 1 + t + t**2 / 2))
     True
     """
-    xp = array_api_compat.array_namespace(x)
+    xp = array_namespace(x)
     d = x.shape[-1]
     lead = tuple(x.shape[:-1])
     outer = xp.reshape(x[..., :, None] * x[..., None, :], (*lead, d * d))
-    ones = xp.ones((*lead, 1), dtype=x.dtype, device=array_api_compat.device(x))
+    ones = xp.ones((*lead, 1), dtype=x.dtype, device=device(x))
     return xp.concat([ones, x, outer * (1.0 / math.sqrt(2.0))], axis=-1)
 
 
@@ -241,8 +249,9 @@ class DPFPFeatureMap:
 
     def __call__(self, x: Any, /) -> Any:
         """Map ``x`` of shape ``(..., d)`` to non-negative features ``(..., 2 * d * nu)``."""
-        xp = array_api_compat.array_namespace(x)
-        r = xp.concat([xp.maximum(x, 0.0), xp.maximum(-x, 0.0)], axis=-1)
+        xp = array_namespace(x)
+        zero = _zero(xp, x)
+        r = xp.concat([xp.maximum(x, zero), xp.maximum(-x, zero)], axis=-1)
         return xp.concat([r * xp.roll(r, shift=j, axis=-1) for j in range(1, self.nu + 1)], axis=-1)
 
 
@@ -389,8 +398,8 @@ class FavorPlusFeatureMap:
 
     def projection(self, x: Any, /) -> Any:
         """The ``(dim, num_features)`` projection in ``x``'s library, device and dtype (cached)."""
-        xp = array_api_compat.array_namespace(x)
-        dev = array_api_compat.device(x)
+        xp = array_namespace(x)
+        dev = device(x)
         key = (xp.__name__, str(dev), str(x.dtype))
         matrix = self._cache.get(key)
         if matrix is None:
@@ -405,7 +414,7 @@ class FavorPlusFeatureMap:
             raise ValueError(
                 f"{self!r} maps inputs of shape (..., {self.dim}), got {tuple(x.shape)}"
             )
-        xp = array_api_compat.array_namespace(x)
+        xp = array_namespace(x)
         scaled = x * self.dim**-0.25
         half_norm = xp.sum(scaled * scaled, axis=-1, keepdims=True) * 0.5
         return xp.matmul(scaled, self.projection(x)) - half_norm
@@ -418,7 +427,7 @@ class FavorPlusFeatureMap:
         at most ``max_i |w_i|**2 / 2 - key_offset`` for any ``x``: ``FAVOR_MAX_KEY_EXPONENT``
         unless ``dim`` is above about 200.
         """
-        xp = array_api_compat.array_namespace(x)
+        xp = array_namespace(x)
         exponent = self._exponent(x)
         if self.key_offset:
             exponent = exponent - self.key_offset
@@ -432,7 +441,7 @@ class FavorPlusFeatureMap:
         ``+ key_offset`` undoes the keys' offset so the weights ``phi(q) . phi(k)`` do not depend
         on it. Every query feature is at most ``exp(key_offset) / sqrt(m)``.
         """
-        xp = array_api_compat.array_namespace(x)
+        xp = array_namespace(x)
         exponent = self._exponent(x)
         exponent = exponent - xp.max(exponent, axis=-1, keepdims=True)
         if self.key_offset:
