@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._ops import causal_mask, pad_rows
-from ._policy import device, eager_cpu
+from ._policy import cumulative_sum, device, eager_cpu
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
@@ -109,7 +109,7 @@ def _block(
         new_state = running.pop()
         states = xp.stack(running, axis=-3)
     else:
-        prefix = xp.cumulative_sum(increments, axis=-3, include_initial=True)
+        prefix = cumulative_sum(xp, increments, axis=-3)
         states = prefix[..., :-1, :, :] + state[..., None, :, :]
         new_state = state + prefix[..., -1, :, :]
     scores = xp.matmul(Q, Kt) * mask

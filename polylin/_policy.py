@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_EPS",
     "array_namespace",
     "cacheable",
+    "cumulative_sum",
     "device",
     "eager_cpu",
     "is_array",
@@ -66,6 +67,21 @@ def device(x: Any) -> Any:
     return x.device if _torch_namespace(x) is not None else array_api_compat.device(x)
 
 
+def cumulative_sum(xp: Any, x: Any, /, *, axis: int) -> Any:
+    """``xp.cumulative_sum(x, axis=axis, include_initial=True)``.
+
+    For PyTorch, ``torch.cumsum`` itself: array-api-compat's wrapper resolves a namespace through
+    its cached helpers, which ``torch.compile`` warns about.
+    """
+    if _torch_namespace(x) is None:
+        return xp.cumulative_sum(x, axis=axis, include_initial=True)
+    inclusive = sys.modules["torch"].cumsum(x, dim=axis)
+    shape = list(x.shape)
+    shape[axis] = 1
+    initial = xp.zeros(tuple(shape), dtype=inclusive.dtype, device=x.device)
+    return xp.concat([initial, inclusive], axis=axis)
+
+
 def _library(xp: Any) -> str:
     """The library behind a namespace: ``"torch"`` for torch and array-api-compat's wrapper."""
     return getattr(xp, "__name__", "").removeprefix("array_api_compat.")
@@ -74,13 +90,17 @@ def _library(xp: Any) -> str:
 def eager_cpu(xp: Any, dev: Any) -> bool:
     """Whether ``xp`` runs each operation at once on the CPU (where cache blocking pays).
 
-    NumPy, array-api-strict and PyTorch on the CPU do; lazy libraries (Dask, JAX under ``jit``)
+    NumPy, array-api-strict and PyTorch on the CPU do (not under ``torch.compile``); lazy libraries (Dask, JAX under ``jit``)
     and accelerators (CuPy, PyTorch CUDA) prefer few large operations.
     """
     library = _library(xp)
     if library in ("numpy", "array_api_strict"):
         return True
-    return library == "torch" and str(dev) == "cpu"
+    if library != "torch" or str(dev) != "cpu":
+        return False
+    # Under torch.compile the whole call becomes one graph that the compiler fuses and
+    # schedules: blocks would only unroll into a graph that grows with T.
+    return not sys.modules["torch"].compiler.is_compiling()
 
 
 def cacheable(x: Any) -> bool:
