@@ -1,0 +1,145 @@
+"""polylin under ``torch.compile``: one graph, no graph breaks, no warnings, the eager results.
+
+The graph-break and warning checks run in a fresh interpreter: Dynamo prints each warning once
+per process (an earlier test would hide it), and a user's first compiled call may be the first
+time polylin meets a tensor at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import polylin
+from polylin.testing import Backend
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def torch():
+    reason = Backend.TORCH.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"[torch] {reason}")
+    torch = Backend.TORCH.module()
+    if not hasattr(torch, "compile"):
+        pytest.skip(f"[torch] torch {torch.__version__} has no torch.compile")
+    return torch
+
+
+# Each case: a name, then the code that defines ``fn`` and ``args`` (tensors q, k, v exist).
+EXPLAIN_CASES = {
+    "causal default": "fn, args, kwargs = polylin.causal_linear_attention, (q, k, v), {}",
+    "mask, initial state, return_state": """
+        mask = torch.ones(2, 4, 37, dtype=torch.bool)
+        mask[0, :, :5] = False
+        state = polylin.LinearAttentionState(torch.ones(2, 4, 8, 8), torch.ones(2, 4, 8))
+        fn, args = polylin.causal_linear_attention, (q, k, v)
+        kwargs = dict(attention_mask=mask, initial_state=state, return_state=True)
+    """,
+    "recurrent": """
+        fn, args, kwargs = polylin.causal_linear_attention, (q, k, v), dict(method="recurrent")
+    """,
+    "favor_plus": """
+        phi = polylin.feature_maps.favor_plus(8, num_features=16, seed=0)
+        fn, args, kwargs = polylin.causal_linear_attention, (q, k, v, phi), {}
+    """,
+    "linear_attention": "fn, args, kwargs = polylin.linear_attention, (q, k, v), {}",
+    "step": "fn, args, kwargs = polylin.step, (q[..., 0, :], k[..., 0, :], v[..., 0, :]), {}",
+}
+
+EXPLAIN_SCRIPT = """
+import json, warnings
+import torch
+import polylin
+
+results = {}
+for name, setup in json.loads(CASES).items():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 37, 8) for _ in range(3))
+    namespace = dict(polylin=polylin, torch=torch, q=q, k=k, v=v)
+    exec(setup, namespace)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = torch._dynamo.explain(namespace["fn"])(*namespace["args"], **namespace["kwargs"])
+    results[name] = dict(
+        graphs=report.graph_count,
+        breaks=report.graph_break_count,
+        reasons=[str(b.reason).splitlines()[0] for b in report.break_reasons],
+        warnings=[f"{w.category.__name__}: {str(w.message)[:300]}" for w in caught],
+    )
+print("RESULTS", json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def explained(torch) -> dict:
+    """``torch._dynamo.explain`` of every case, run in one fresh interpreter."""
+    cases = {name: textwrap.dedent(code) for name, code in EXPLAIN_CASES.items()}
+    script = f"CASES = {json.dumps(json.dumps(cases))}\n" + EXPLAIN_SCRIPT
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS ")]
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+@pytest.mark.parametrize("case", list(EXPLAIN_CASES))
+def test_one_graph_no_breaks_no_warnings(explained: dict, case: str) -> None:
+    """Dynamo captures the whole call in one graph and warns about nothing."""
+    result = explained[case]
+    assert result["breaks"] == 0, result["reasons"]
+    assert result["graphs"] == 1
+    assert result["warnings"] == []
+
+
+def _inputs(torch, T: int = 37):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 3, T, 8, generator=gen, requires_grad=True) for _ in range(3)]
+
+
+@pytest.mark.parametrize("method", ["chunked", "recurrent"])
+def test_compiled_forward_and_gradients_match_eager(torch, method: str) -> None:
+    """``fullgraph=True`` compiles (it raises on any graph break); values and gradients agree.
+
+    T = 37 with chunk_size 16: a partial last chunk, and (under compile) the one-block prefix-sum
+    path of the chunked form rather than the eager CPU one.
+    """
+    compiled = torch.compile(
+        polylin.causal_linear_attention, fullgraph=True, backend="aot_eager", dynamic=False
+    )
+    q, k, v = _inputs(torch)
+    out = compiled(q, k, v, method=method, chunk_size=16)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = polylin.causal_linear_attention(q, k, v, method=method, chunk_size=16)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    np.testing.assert_allclose(out.detach().numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_inductor_compiles_and_matches_eager(torch) -> None:
+    """The default backend (Inductor, generated C++ on the CPU) gives the eager output."""
+    compiled = torch.compile(polylin.causal_linear_attention, fullgraph=True)
+    q, k, v = (x.detach() for x in _inputs(torch, T=20))
+    out = compiled(q, k, v, chunk_size=8)
+    ref = polylin.causal_linear_attention(q, k, v, chunk_size=8)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
