@@ -90,8 +90,9 @@ def _library(xp: Any) -> str:
 def eager_cpu(xp: Any, dev: Any) -> bool:
     """Whether ``xp`` runs each operation at once on the CPU (where cache blocking pays).
 
-    NumPy, array-api-strict and PyTorch on the CPU do (not under ``torch.compile``); lazy libraries (Dask, JAX under ``jit``)
-    and accelerators (CuPy, PyTorch CUDA) prefer few large operations.
+    NumPy, array-api-strict and PyTorch on the CPU do (not under ``torch.compile``); lazy
+    libraries (Dask, JAX under ``jit``) and accelerators (CuPy, PyTorch CUDA) prefer few large
+    operations.
     """
     library = _library(xp)
     if library in ("numpy", "array_api_strict"):
