@@ -53,6 +53,15 @@ EXPLAIN_CASES = {
     """,
     "linear_attention": "fn, args, kwargs = polylin.linear_attention, (q, k, v), {}",
     "step": "fn, args, kwargs = polylin.step, (q[..., 0, :], k[..., 0, :], v[..., 0, :]), {}",
+    "LinearAttention layer": """
+        from polylin.torch import LinearAttention
+        x, mask = torch.randn(2, 37, 32), torch.ones(2, 37, dtype=torch.int64)
+        fn, args, kwargs = LinearAttention(32, 4), (x, mask), {}
+    """,
+    "LinearAttention.step": """
+        from polylin.torch import LinearAttention
+        fn, args, kwargs = LinearAttention(32, 4).step, (torch.randn(2, 32),), {}
+    """,
 }
 
 EXPLAIN_SCRIPT = """

@@ -82,6 +82,13 @@ def _public_objects() -> dict[str, object]:
     for name in polylin.feature_maps.__all__:
         objects[f"polylin.feature_maps.{name}"] = getattr(polylin.feature_maps, name)
     objects["polylin.testing.Backend"] = Backend
+    try:
+        from polylin.torch import LinearAttention
+    except ImportError:  # no PyTorch here: the layer cannot be imported, its page is skipped
+        return objects
+    objects["polylin.torch.LinearAttention"] = LinearAttention
+    for method in ("forward", "step", "log_decay"):
+        objects[f"polylin.torch.LinearAttention.{method}"] = getattr(LinearAttention, method)
     return objects
 
 
@@ -105,6 +112,8 @@ def test_api_page_lists_every_public_name() -> None:
         if name.startswith("polylin.feature_maps."):
             continue
         short = name.rsplit(".", 1)[-1]
+        if name.startswith("polylin.torch."):  # the layer and its methods: LinearAttention.step
+            short = name.removeprefix("polylin.torch.")
         assert re.search(rf"^\s+{re.escape(short)}$", text, re.M), f"{name} missing from api.md"
 
 
