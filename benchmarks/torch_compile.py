@@ -20,14 +20,14 @@ import torch
 import polylin
 
 
-def _median_seconds(call, fns, repeats: int) -> list[float]:
+def _median_seconds(call, fns, repeats: int, clock) -> list[float]:
     """Median time of each of ``fns``, calls interleaved so that a change of load hits all."""
     times = [[] for _ in fns]
     for _ in range(repeats):
         for fn, record in zip(fns, times):
-            start = time.perf_counter()
+            start = clock()
             call(fn)
-            record.append(time.perf_counter() - start)
+            record.append(clock() - start)
     return [statistics.median(record) for record in times]
 
 
@@ -38,11 +38,22 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time calls by this process's CPU time (steadier on a shared machine with "
+        "--threads 1); the first compiled call is always wall time (compilation uses workers)",
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
-        f"(batch, heads, T, d) = ({args.batch}, {args.heads}, T, {args.dim})"
+        f"(batch, heads, T, d) = ({args.batch}, {args.heads}, T, {args.dim}), "
+        f"{'CPU' if args.cpu_time else 'wall'} time"
     )
     for T in args.lengths:
         shape = (args.batch, args.heads, T, args.dim)
@@ -63,7 +74,7 @@ def main() -> None:
             call(compiled)
             first = time.perf_counter() - start
             call(eager)  # warm-up
-            t_eager, t_compiled = _median_seconds(call, [eager, compiled], args.repeats)
+            t_eager, t_compiled = _median_seconds(call, [eager, compiled], args.repeats, clock)
             print(
                 f"T={T:6d} {mode:17s} first compiled call {first:6.1f} s   "
                 f"eager {t_eager * 1e3:9.2f} ms   compiled {t_compiled * 1e3:9.2f} ms   "
