@@ -298,3 +298,15 @@ def test_replaces_softmax_attention_in_a_block() -> None:
     assert block(x).shape == x.shape
     block(x).sum().backward()
     assert block.attention.q_proj.weight.grad is not None
+
+
+def test_a_decay_on_a_non_causal_layer_is_refused() -> None:
+    """The ``log_decay`` hook decays a state: a non-causal layer has none."""
+
+    class Decayed(LinearAttention):
+        def log_decay(self, x):
+            return torch.full((H, 1, 1), -0.1, dtype=x.dtype)
+
+    layer = Decayed(E, H, causal=False)
+    with pytest.raises(ValueError, match="log_decay needs a causal layer"):
+        layer(torch.randn(1, 3, E))
