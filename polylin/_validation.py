@@ -215,8 +215,7 @@ def check_state(
     ):
         if device_of(x) != inputs.device:
             raise ValueError(
-                f"{name}.{part} is on device {device_of(x)} "
-                f"but q is on device {inputs.device}"
+                f"{name}.{part} is on device {device_of(x)} but q is on device {inputs.device}"
             )
         if not xp.isdtype(x.dtype, "real floating"):
             raise TypeError(f"{name}.{part} must have a real floating dtype, got {x.dtype}")
