@@ -109,7 +109,7 @@ def _block(
         new_state = running.pop()
         states = xp.stack(running, axis=-3)
     else:
-        prefix = cumulative_sum(xp, increments, axis=-3)
+        prefix = cumulative_sum(xp, increments, axis=-3, include_initial=True)
         states = prefix[..., :-1, :, :] + state[..., None, :, :]
         new_state = state + prefix[..., -1, :, :]
     scores = xp.matmul(Q, Kt) * mask

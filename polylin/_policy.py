@@ -67,15 +67,18 @@ def device(x: Any) -> Any:
     return x.device if _torch_namespace(x) is not None else array_api_compat.device(x)
 
 
-def cumulative_sum(xp: Any, x: Any, /, *, axis: int) -> Any:
-    """``xp.cumulative_sum(x, axis=axis, include_initial=True)``.
+def cumulative_sum(xp: Any, x: Any, /, *, axis: int, include_initial: bool = False) -> Any:
+    """``xp.cumulative_sum(x, axis=axis, include_initial=include_initial)``, traceable.
 
     For PyTorch, ``torch.cumsum`` itself: array-api-compat's wrapper resolves a namespace through
-    its cached helpers, which ``torch.compile`` warns about.
+    its cached helpers, which ``torch.compile`` warns about. Call this instead of
+    ``xp.cumulative_sum`` everywhere in the core.
     """
     if _torch_namespace(x) is None:
-        return xp.cumulative_sum(x, axis=axis, include_initial=True)
+        return xp.cumulative_sum(x, axis=axis, include_initial=include_initial)
     inclusive = sys.modules["torch"].cumsum(x, dim=axis)
+    if not include_initial:
+        return inclusive
     shape = list(x.shape)
     shape[axis] = 1
     initial = xp.zeros(tuple(shape), dtype=inclusive.dtype, device=x.device)

@@ -152,3 +152,20 @@ def test_inductor_compiles_and_matches_eager(torch) -> None:
     out = compiled(q, k, v, chunk_size=8)
     ref = polylin.causal_linear_attention(q, k, v, chunk_size=8)
     np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("include_initial", [False, True])
+def test_traceable_cumulative_sum_is_the_standard_one(backend, include_initial: bool) -> None:
+    """``_policy.cumulative_sum`` (torch.cumsum on PyTorch) equals ``xp.cumulative_sum``."""
+    from polylin._policy import cumulative_sum
+
+    x = backend.from_numpy(np.arange(24.0).reshape(2, 3, 4))
+    xp = backend.namespace()
+    for axis in (0, 1, -1):
+        got = backend.to_numpy(cumulative_sum(xp, x, axis=axis, include_initial=include_initial))
+        want = np.cumsum(np.arange(24.0).reshape(2, 3, 4), axis=axis)
+        if include_initial:
+            pad = [(0, 0)] * 3
+            pad[axis] = (1, 0)
+            want = np.pad(want, pad)
+        np.testing.assert_array_equal(got, want)
