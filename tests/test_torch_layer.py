@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -310,3 +312,37 @@ def test_a_decay_on_a_non_causal_layer_is_refused() -> None:
     layer = Decayed(E, H, causal=False)
     with pytest.raises(ValueError, match="log_decay needs a causal layer"):
         layer(torch.randn(1, 3, E))
+
+
+HAS_DECAY = all(
+    "log_decay" in inspect.signature(fn).parameters
+    for fn in (polylin.causal_linear_attention, polylin.step)
+)
+
+
+@pytest.mark.skipif(not HAS_DECAY, reason="this polylin's functions take no log_decay")
+def test_a_decayed_layer_matches_the_functions_and_decodes() -> None:
+    """A subclass's per-head decay reaches the functions; prefill + step == forward."""
+
+    class Decayed(LinearAttention):
+        def log_decay(self, x):
+            return torch.tensor([-0.1, -0.5, -2.0], dtype=x.dtype)  # one decay per head
+
+    torch.manual_seed(0)
+    layer = Decayed(E, H, dtype=torch.float64, chunk_size=4)
+    x = _x(T=13)
+    full = layer(x)
+    q, k, v = (
+        p(x).view(2, 13, H, 4).transpose(1, 2) for p in (layer.q_proj, layer.k_proj, layer.v_proj)
+    )
+    gates = torch.tensor([-0.1, -0.5, -2.0], dtype=torch.float64)[None, :, None, None]
+    out = polylin.causal_linear_attention(q, k, v, log_decay=gates.expand(2, H, 13, 1))
+    torch.testing.assert_close(full, layer.out_proj(out.transpose(1, 2).reshape(2, 13, E)))
+    assert not torch.allclose(full, _layer()(x))
+    prompt, state = layer(x[:, :6], return_state=True)
+    torch.testing.assert_close(prompt, full[:, :6], rtol=0, atol=1e-12)
+    steps = []
+    for t in range(6, 13):
+        y_t, state = layer.step(x[:, t], state)
+        steps.append(y_t)
+    torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:], rtol=0, atol=1e-12)

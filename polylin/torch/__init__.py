@@ -84,8 +84,8 @@ class LinearAttention(nn.Module):
     output is ``out_proj`` of zeros, i.e. ``out_proj.bias``.
 
     A decay of the state (RetNet, gated linear attention) is the job of :meth:`log_decay`,
-    which returns ``None`` here: a subclass overrides it to compute per-token or per-head log
-    decays from ``x``.
+    which returns ``None`` here: a subclass overrides it to return a fixed decay per head or a
+    gate per token and head computed from ``x``.
 
     Examples
     --------
@@ -163,18 +163,23 @@ class LinearAttention(nn.Module):
     def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
         """Log decays of the state for the tokens of ``x``; ``None``: no decay (this layer).
 
-        A subclass that returns a tensor gets it passed to the attention functions as
-        ``log_decay``, where they accept one.
+        A subclass overrides it to decay the state before each token is added,
+        ``S_t = exp(g_t) S_{t-1} + phi(k_t) v_t^T`` (RetNet, gated linear attention): one gate
+        ``g_t <= 0`` per token and head. The layer passes it to the attention functions as
+        ``log_decay`` (which needs a version of polylin whose functions accept it).
 
         Parameters
         ----------
         x : torch.Tensor
-            The layer's input, ``(batch, T, embed_dim)``, or ``(batch, embed_dim)`` in ``step``.
+            The layer's input: ``(batch, T, embed_dim)`` in ``forward``, ``(batch, embed_dim)``
+            in ``step``.
 
         Returns
         -------
         torch.Tensor or None
-            ``None`` here.
+            ``None`` here. An override returns ``g`` of shape ``(*x.shape[:-1], num_heads)``
+            or broadcastable to it: ``(num_heads,)`` for a fixed decay per head, or computed
+            from ``x`` for a gate per token.
 
         Examples
         --------
@@ -195,8 +200,15 @@ class LinearAttention(nn.Module):
             )
 
     def _decay_options(self, x: torch.Tensor) -> dict[str, Any]:
+        """``log_decay`` as the functions take it: ``(batch, heads, T, 1)``, ``(batch, heads, 1)``."""
         log_decay = self.log_decay(x)
-        return {} if log_decay is None else {"log_decay": log_decay}
+        if log_decay is None:
+            return {}
+        gates = torch.as_tensor(log_decay, dtype=x.dtype, device=x.device)
+        gates = gates.expand(*x.shape[:-1], self.num_heads)
+        if x.ndim == 3:  # (batch, T, heads) -> (batch, heads, T)
+            gates = gates.transpose(1, 2)
+        return {"log_decay": gates[..., None]}
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project ``(..., embed_dim)`` to q, k, v of shape ``(..., num_heads, head_dim)``."""
