@@ -200,7 +200,7 @@ class LinearAttention(nn.Module):
             )
 
     def _decay_options(self, x: torch.Tensor) -> dict[str, Any]:
-        """``log_decay`` as the functions take it: ``(batch, heads, T, 1)``, ``(batch, heads, 1)``."""
+        """The hook's gates laid out as the functions take them: ``(batch, heads, [T,] 1)``."""
         log_decay = self.log_decay(x)
         if log_decay is None:
             return {}
