@@ -7,6 +7,7 @@ time polylin meets a tensor at all.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -87,6 +88,13 @@ for name, setup in json.loads(CASES).items():
     )
 print("RESULTS", json.dumps(results))
 """
+
+
+if "log_decay" in inspect.signature(polylin.causal_linear_attention).parameters:
+    EXPLAIN_CASES["log_decay per token, not normalized"] = """
+        fn, args = polylin.causal_linear_attention, (q, k, v)
+        kwargs = dict(log_decay=-0.1 * torch.rand(2, 4, 37, 1), normalize=False)
+    """
 
 
 @pytest.fixture(scope="module")
