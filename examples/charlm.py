@@ -337,8 +337,8 @@ def plot_losses(path: Path, curves: dict[str, list[float]]) -> bool:
         print("matplotlib is not installed: no loss plot", file=sys.stderr)
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    for label, losses in curves.items():
-        ax.plot(smooth(losses), label=label, linewidth=1.2)
+    for (label, losses), style in zip(curves.items(), ["-", "--", ":", "-."]):
+        ax.plot(smooth(losses), style, label=label, linewidth=1.2)
     ax.set_xlabel("training step")
     ax.set_ylabel("loss (nats/char, running mean of 20)")
     ax.grid(alpha=0.3)
@@ -374,7 +374,7 @@ def positive_float(text: str) -> float:
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """The options both training scripts share (same defaults: same model, same batches)."""
     parser.add_argument("--steps", type=positive_int, default=1000, help="training steps")
-    parser.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
+    parser.add_argument("--batch", type=positive_int, default=8, help="sequences per step")
     parser.add_argument("--context", type=positive_int, default=128, help="characters per sequence")
     parser.add_argument("--d-model", type=positive_int, default=128, help="model width")
     parser.add_argument("--heads", type=positive_int, default=4, help="attention heads")

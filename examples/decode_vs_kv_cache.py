@@ -17,6 +17,10 @@ Reported per context: the median time per token, the bytes each method carries b
 (state or cache), and, with NumPy, the measured peak memory of decoding (``tracemalloc``: the
 state or cache plus every temporary of the decoding steps). It prints a table and writes
 ``decode.json`` and ``decode.png`` (with matplotlib) to ``--out``.
+
+On a busy machine, run NumPy with one BLAS thread (``OPENBLAS_NUM_THREADS=1``, set before Python
+starts): a multi-threaded matrix-vector product over a large KV cache otherwise waits for cores
+that other processes hold, and a token can take a hundred times longer.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -61,7 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heads", type=positive_int, default=8)
     parser.add_argument("--d-head", type=positive_int, default=64)
     parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="PyTorch CPU threads (for NumPy set OPENBLAS_NUM_THREADS before starting Python)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.backend == "torch" and importlib.util.find_spec("torch") is None:
@@ -262,9 +272,19 @@ def plot(path: Path, rows: list[dict], title: str) -> bool:
     right.plot(ctx, [r["state_bytes"] / MiB for r in rows], "o-", label="polylin state")
     right.plot(ctx, [r["kv_cache_bytes"] / MiB for r in rows], "s-", label="KV cache")
     if rows[0]["polylin_peak_bytes"] is not None:
-        right.plot(ctx, [r["polylin_peak_bytes"] / MiB for r in rows], "o:", label="polylin peak")
-        right.plot(ctx, [r["softmax_peak_bytes"] / MiB for r in rows], "s:", label="softmax peak")
-    right.set_ylabel("MiB carried between tokens")
+        right.plot(
+            ctx,
+            [r["polylin_peak_bytes"] / MiB for r in rows],
+            "o:",
+            label="polylin, peak while decoding",
+        )
+        right.plot(
+            ctx,
+            [r["softmax_peak_bytes"] / MiB for r in rows],
+            "s:",
+            label="softmax, peak while decoding",
+        )
+    right.set_ylabel("MiB: state or cache, and peak")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -276,6 +296,12 @@ def plot(path: Path, rows: list[dict], title: str) -> bool:
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """The options and the thread settings of the environment, for the record."""
+    threads = {name: os.environ.get(name) for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    return vars(args) | {"out": str(args.out), "environment": threads}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,8 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "decode.json").write_text(
-            json.dumps({"settings": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1)
-            + "\n"
+            json.dumps({"settings": settings(args), "rows": rows}, indent=1) + "\n"
         )
         plot(args.out / "decode.png", rows, title)
         print(f"wrote {args.out}/decode.json")
