@@ -43,9 +43,14 @@ Params = dict[str, Any]
 
 
 # -- data --------------------------------------------------------------------------------------
+#: Pages left out of the training text: the tutorial quotes the examples' own output.
+NOT_TRAINED_ON = {"tutorial.md"}
+
+
 def training_text(root: Path = ROOT) -> str:
     """The text the examples train on: this project's README and documentation pages."""
-    files = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    pages = sorted(p for p in (root / "docs").glob("*.md") if p.name not in NOT_TRAINED_ON)
+    files = [root / "README.md", *pages]
     return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
