@@ -91,8 +91,7 @@ class Library:
 
             if threads:
                 torch.set_num_threads(threads)
-            self.torch = torch
-            torch.set_grad_enabled(False)
+            self.torch = torch  # the tensors here never require grad: no autograd graph
         from array_api_compat import array_namespace
 
         self.xp = array_namespace(self.asarray(np.zeros(1, np.float32)))

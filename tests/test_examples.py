@@ -189,8 +189,11 @@ def test_decode_benchmark_state_stays_fixed_while_the_cache_grows(tmp_path, caps
 def test_decode_benchmark_computes_attention(backend: str) -> None:
     """Both decoders give the attention they claim: linear attention and exact softmax."""
     if backend == "torch":
-        pytest.importorskip("torch")
+        torch = pytest.importorskip("torch")
+        grad_enabled, threads = torch.is_grad_enabled(), torch.get_num_threads()
     lib = decode_vs_kv_cache.Library(backend, None)
+    if backend == "torch":  # in-process: it must leave PyTorch's global settings alone
+        assert (torch.is_grad_enabled(), torch.get_num_threads()) == (grad_enabled, threads)
     rng = np.random.default_rng(6)
     q, k, v = rng.standard_normal((3, 1, 2, 4101, 8), dtype=np.float32)  # > one prefill piece
     context = 4100
