@@ -185,6 +185,19 @@ def test_decode_benchmark_state_stays_fixed_while_the_cache_grows(tmp_path, caps
     assert (tmp_path / "decode.png").stat().st_size > 1000
 
 
+def test_decode_benchmark_on_torch(tmp_path, capsys) -> None:
+    pytest.importorskip("torch")
+    argv = ["--backend", "torch", "--max-context", "64", "--points", "2", "--tokens", "2"]
+    assert (
+        decode_vs_kv_cache.main([*argv, "--heads", "1", "--d-head", "4", "--out", str(tmp_path)])
+        == 0
+    )
+    assert "torch; median of 2 tokens" in capsys.readouterr().out
+    rows = __import__("json").loads((tmp_path / "decode.json").read_text())["rows"]
+    assert [r["state_bytes"] for r in rows] == [(4 * 4 + 4) * 4] * 2
+    assert all(r["polylin_peak_bytes"] is None for r in rows)  # tracemalloc sees NumPy only
+
+
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_decode_benchmark_computes_attention(backend: str) -> None:
     """Both decoders give the attention they claim: linear attention and exact softmax."""
