@@ -499,6 +499,8 @@ class FavorPlusFeatureMap:
                 f"{self!r} maps inputs of shape (..., {self.dim}), got {tuple(x.shape)}"
             )
         xp = array_api_compat.array_namespace(x)
+        if not xp.isdtype(x.dtype, "real floating"):
+            raise TypeError(f"{self!r} maps real floating inputs, got x of dtype {x.dtype}")
         scaled = x * self.dim**-0.25
         half_norm = xp.sum(scaled * scaled, axis=-1, keepdims=True) * 0.5
         return xp.matmul(scaled, self.projection(x)) - half_norm
