@@ -311,7 +311,8 @@ def _build_dtype(xp: Any, dev: Any) -> Any:
     info = getattr(xp, "__array_namespace_info__", None)
     if info is None:
         return xp.float64
-    return xp.float64 if "float64" in info().dtypes(device=dev, kind="real floating") else xp.float32
+    floats = info().dtypes(device=dev, kind="real floating")
+    return xp.float64 if "float64" in floats else xp.float32
 
 
 def _from_floats(xp: Any, values: list[float], dtype: Any, dev: Any) -> Any:
@@ -488,9 +489,7 @@ class FavorPlusFeatureMap:
         then cast) and kept in a module-level cache shared by every map with the same
         parameters, bounded in bytes (least recently used entries go first).
         """
-        return _cached_favor_projection(
-            x, self.dim, self.num_features, self.seed, self.orthogonal
-        )
+        return _cached_favor_projection(x, self.dim, self.num_features, self.seed, self.orthogonal)
 
     def _exponent(self, x: Any) -> Any:
         """``w_i . x' - |x'|**2 / 2`` with ``x' = x * dim**-0.25``, shape ``(..., m)``."""

@@ -12,6 +12,7 @@ import pytest
 import polylin
 from polylin import (
     causal_linear_attention,
+    feature_maps,
     linear_attention,
     masked_kernel_attention,
     step,
@@ -27,7 +28,6 @@ from polylin.feature_maps import (
     relu,
     taylor_exp,
 )
-from polylin import feature_maps
 from polylin.testing import Backend
 
 from .reference import elu_plus_one as ref_elu_plus_one
