@@ -9,7 +9,9 @@ module.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
+from functools import cache
 from typing import Any
 
 from array_api_compat import (
@@ -25,6 +27,7 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_EPS",
     "cacheable",
+    "compiled",
     "eager_constants",
     "eager_cpu",
     "materialized",
@@ -95,3 +98,23 @@ def materialized(x: Any) -> Any:
     in every result that uses it.
     """
     return x.persist() if is_dask_array(x) else x
+
+
+def compiled(
+    xp: Any, function: Callable[..., Any], /, *, static_argnames: tuple[str, ...]
+) -> Callable[..., Any]:
+    """``function`` compiled as one program where ``xp``'s library compiles, else itself.
+
+    JAX compiles every operation it runs eagerly for each new shape: a build of a few dozen
+    operations costs seconds, one ``jax.jit`` program a fraction of that (and is reused for
+    every call with the same shapes and static arguments). The compiled function is kept, so
+    calls with new seeds reuse the program.
+    """
+    if is_jax_namespace(xp) and "jax" in sys.modules:
+        return _jitted(function, static_argnames)
+    return function
+
+
+@cache
+def _jitted(function: Callable[..., Any], static_argnames: Hashable) -> Callable[..., Any]:
+    return sys.modules["jax"].jit(function, static_argnames=static_argnames)

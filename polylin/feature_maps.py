@@ -30,7 +30,7 @@ from typing import Any
 
 import array_api_compat
 
-from ._policy import cacheable, eager_constants, materialized, stacked_qr
+from ._policy import cacheable, compiled, eager_constants, materialized, stacked_qr
 
 __all__ = [
     "FAVOR_MAX_KEY_EXPONENT",
@@ -366,17 +366,32 @@ def _favor_projection(
     rng = random.Random(seed)
     norms = _chi_norms(rng, dim, num_features)
     blocks = -(-num_features // dim) if orthogonal else 1
-    width = dim if orthogonal else num_features
-    count = blocks * dim * width
-    pairs = (count + 1) // 2
+    pairs = (blocks * dim * (dim if orthogonal else num_features) + 1) // 2
     draw = rng.random
     radii = [1.0 - draw() for _ in range(pairs)]  # in (0, 1]: the logarithm below is finite
     angles = [draw() for _ in range(pairs)]
     build = _build_dtype(xp, dev)
-    radius = xp.sqrt(-2.0 * xp.log(_from_floats(xp, radii, build, dev)))
-    angle = _from_floats(xp, angles, build, dev) * (2.0 * math.pi)
-    gaussian = xp.concat([radius * xp.cos(angle), radius * xp.sin(angle)])[:count]
-    gaussian = xp.reshape(gaussian, (blocks, dim, width))
+    assemble = compiled(xp, _assemble_projection, static_argnames=("xp", "dim", "orthogonal"))
+    matrix = assemble(
+        *(_from_floats(xp, values, build, dev) for values in (radii, angles, norms)),
+        xp=xp,
+        dim=dim,
+        orthogonal=orthogonal,
+    )
+    return matrix if dtype == build else xp.astype(matrix, dtype)
+
+
+def _assemble_projection(
+    radii: Any, angles: Any, norms: Any, /, *, xp: Any, dim: int, orthogonal: bool
+) -> Any:
+    """The projection from its uniforms and norms: Box-Muller, then orthonormal blocks."""
+    num_features = norms.shape[0]
+    blocks = -(-num_features // dim) if orthogonal else 1
+    width = dim if orthogonal else num_features
+    radius = xp.sqrt(-2.0 * xp.log(radii))
+    angle = angles * (2.0 * math.pi)
+    gaussian = xp.concat([radius * xp.cos(angle), radius * xp.sin(angle)])
+    gaussian = xp.reshape(gaussian[: blocks * dim * width], (blocks, dim, width))
     if orthogonal:
         directions = _orthonormal_columns(xp, gaussian)  # (blocks, dim, dim)
         directions = xp.reshape(xp.permute_dims(directions, (1, 0, 2)), (dim, blocks * dim))
@@ -384,8 +399,7 @@ def _favor_projection(
     else:
         directions = gaussian[0, ...]
         directions = directions / xp.sqrt(xp.sum(directions * directions, axis=0, keepdims=True))
-    matrix = directions * _from_floats(xp, norms, build, dev)
-    return matrix if dtype == build else xp.astype(matrix, dtype)
+    return directions * norms
 
 
 def _cached_favor_projection(
@@ -557,13 +571,18 @@ def favor_plus(
     200; beyond, keys nearly aligned with a projection row and of norm about ``dim**0.75`` can
     still overflow float32.
 
-    The projection has ``num_features`` rows in orthogonal blocks of ``dim`` Gaussian rows with
-    chi-distributed norms (or i.i.d. Gaussian rows with ``orthogonal=False``). It is drawn once,
-    at construction, from Python's ``random.Random(seed)`` and orthonormalized by Gram-Schmidt
-    in pure Python, not from a NumPy generator as Performer's code does: polylin's core imports
-    no array library, and this way the same seed gives bit-identical rows on every backend. It
-    is moved to the input's library, device and dtype on first use and cached there (not inside
-    a JAX trace, nor under ``torch.inference_mode``).
+    The projection has ``num_features`` rows in orthogonal blocks of ``dim`` rows (or i.i.d.
+    Gaussian rows with ``orthogonal=False``), each scaled by its own chi-distributed norm, so
+    every row has the law of a Gaussian row. Only the norms are drawn at construction; the
+    matrix is built on first use, with array operations of the input's library: Python's
+    ``random.Random(seed)`` gives the norms and the uniforms of a Box-Muller transform, and
+    the Gaussian blocks are orthonormalized by that library's QR with the sign fix that makes
+    them Haar-distributed (by Gram-Schmidt where it has no stacked QR), in float64 where the
+    library has it. Not a NumPy generator as in Performer's code: polylin's core imports no
+    array library, and this way the same seed gives the same rows, to round-off, on every
+    backend. The matrix is cached per (parameters, library, device, dtype) in one bounded
+    cache shared by all maps; inside ``jax.jit`` or ``torch.inference_mode`` it is still built
+    eagerly, once, and cached.
 
     Output size ``num_features``; features strictly positive (they can underflow to zero for
     keys far from every ``w_i``); cost one ``(..., dim) x (dim, m)`` matmul and ``m``
