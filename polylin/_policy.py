@@ -66,12 +66,11 @@ def cacheable(x: Any) -> bool:
 
 
 def stacked_qr(xp: Any) -> bool:
-    """Whether ``xp.linalg.qr`` factors a stack ``(..., M, N)`` of matrices at once.
+    """Whether ``xp.linalg.qr`` (where ``xp`` has it) factors a stack ``(..., M, N)`` at once.
 
-    ``linalg`` is an optional extension of the standard (array-api-strict can turn it off), and
-    Dask's ``qr`` takes one two-dimensional matrix in a single column of chunks.
+    Dask's ``qr`` takes one two-dimensional matrix, in a single column of chunks.
     """
-    return hasattr(xp, "linalg") and not is_dask_namespace(xp)
+    return not is_dask_namespace(xp)
 
 
 def eager_constants(xp: Any) -> AbstractContextManager[Any]:

@@ -330,12 +330,17 @@ def _orthonormal_columns(xp: Any, gaussian: Any) -> Any:
     With that sign convention (Mezzadri 2007) ``Q`` is Haar-distributed when ``gaussian`` has
     i.i.d. Gaussian entries; a plain Householder ``Q`` is not (its signs follow ``R``'s).
     """
-    if stacked_qr(xp):
-        q, r = xp.linalg.qr(gaussian)
+    if hasattr(xp, "linalg"):
+        if stacked_qr(xp):
+            q, r = xp.linalg.qr(gaussian)
+        else:  # one matrix at a time (Dask)
+            factors = [xp.linalg.qr(gaussian[i, ...]) for i in range(gaussian.shape[0])]
+            q = xp.stack([factor[0] for factor in factors])
+            r = xp.stack([factor[1] for factor in factors])
         diagonal = xp.linalg.diagonal(r)
         return xp.where(diagonal[..., None, :] < 0.0, -q, q)
-    # Without a stacked QR: classical Gram-Schmidt, each column projected twice ("twice is
-    # enough", Giraud et al. 2005), which is the same positive-diagonal QR to round-off.
+    # Without the linalg extension: classical Gram-Schmidt, each column projected twice ("twice
+    # is enough", Giraud et al. 2005), which is the same positive-diagonal QR to round-off.
     n = gaussian.shape[-1]
     columns: list[Any] = []
     for j in range(n):
@@ -577,7 +582,7 @@ def favor_plus(
     matrix is built on first use, with array operations of the input's library: Python's
     ``random.Random(seed)`` gives the norms and the uniforms of a Box-Muller transform, and
     the Gaussian blocks are orthonormalized by that library's QR with the sign fix that makes
-    them Haar-distributed (by Gram-Schmidt where it has no stacked QR), in float64 where the
+    them Haar-distributed (by Gram-Schmidt where it has no ``linalg``), in float64 where the
     library has it. Not a NumPy generator as in Performer's code: polylin's core imports no
     array library, and this way the same seed gives the same rows, to round-off, on every
     backend. The matrix is cached per (parameters, library, device, dtype) in one bounded
