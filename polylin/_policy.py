@@ -15,6 +15,9 @@ noisy. Every other library goes through ``array_api_compat`` unchanged.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager, nullcontext
+from functools import cache
 from typing import Any
 
 import array_api_compat
@@ -24,10 +27,14 @@ __all__ = [
     "DEFAULT_EPS",
     "array_namespace",
     "cacheable",
+    "compiled",
     "cumulative_sum",
     "device",
+    "eager_constants",
     "eager_cpu",
     "is_array",
+    "materialized",
+    "stacked_qr",
 ]
 
 #: Default added to the normalizer of every normalized entry point.
@@ -86,8 +93,16 @@ def cumulative_sum(xp: Any, x: Any, /, *, axis: int, include_initial: bool = Fal
 
 
 def _library(xp: Any) -> str:
-    """The library behind a namespace: ``"torch"`` for torch and array-api-compat's wrapper."""
+    """The library behind a namespace: ``"torch"`` for torch and array-api-compat's wrapper.
+
+    By name, not with array-api-compat's ``is_*_namespace`` helpers: those are
+    ``lru_cache``-wrapped, which ``torch.compile`` warns about.
+    """
     return getattr(xp, "__name__", "").removeprefix("array_api_compat.")
+
+
+_JAX = ("jax.numpy", "jax.experimental.array_api")
+_DASK = ("dask.array",)
 
 
 def eager_cpu(xp: Any, dev: Any) -> bool:
@@ -119,3 +134,60 @@ def cacheable(x: Any) -> bool:
     if torch is not None and isinstance(x, torch.Tensor):
         return not (torch.compiler.is_compiling() or x.is_inference())
     return not any(cls.__name__ == "Tracer" for cls in type(x).__mro__)
+
+
+def stacked_qr(xp: Any) -> bool:
+    """Whether ``xp.linalg.qr`` (where ``xp`` has it) factors a stack ``(..., M, N)`` at once.
+
+    Dask's ``qr`` takes one two-dimensional matrix, in a single column of chunks.
+    """
+    return _library(xp) not in _DASK
+
+
+def eager_constants(xp: Any) -> AbstractContextManager[Any]:
+    """A context in which arrays computed from Python data alone are concrete and cacheable.
+
+    A projection built from a seed depends on no input, so it should be computed once, at
+    once, and kept: under JAX, outside any trace (``jax.ensure_compile_time_eval``: inside
+    ``jit`` it would otherwise be recomputed by every call of the compiled function and could
+    not be cached); under PyTorch, outside ``inference_mode`` (an inference tensor could not be
+    saved for backward by a later training step). The library is already imported whenever its
+    namespace is in use, so it is taken from ``sys.modules``, not imported here.
+    """
+    library = _library(xp)
+    if library in _JAX and "jax" in sys.modules:
+        return sys.modules["jax"].ensure_compile_time_eval()
+    if library == "torch" and "torch" in sys.modules:
+        return sys.modules["torch"].inference_mode(False)
+    return nullcontext()
+
+
+def materialized(x: Any) -> Any:
+    """``x`` computed now where the library is lazy (Dask persists it), else ``x`` itself.
+
+    For a constant that is kept and reused: a lazy array would repeat its whole computation
+    in every result that uses it.
+    """
+    if _torch_namespace(x) is not None:
+        return x
+    return x.persist() if array_api_compat.is_dask_array(x) else x
+
+
+def compiled(
+    xp: Any, function: Callable[..., Any], /, *, static_argnames: tuple[str, ...]
+) -> Callable[..., Any]:
+    """``function`` compiled as one program where ``xp``'s library compiles, else itself.
+
+    JAX compiles every operation it runs eagerly for each new shape: a build of a few dozen
+    operations costs seconds, one ``jax.jit`` program a fraction of that (and is reused for
+    every call with the same shapes and static arguments). The compiled function is kept, so
+    calls with new seeds reuse the program.
+    """
+    if _library(xp) in _JAX and "jax" in sys.modules:
+        return _jitted(function, static_argnames)
+    return function
+
+
+@cache
+def _jitted(function: Callable[..., Any], static_argnames: Hashable) -> Callable[..., Any]:
+    return sys.modules["jax"].jit(function, static_argnames=static_argnames)
