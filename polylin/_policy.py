@@ -28,12 +28,14 @@ __all__ = [
     "array_namespace",
     "cacheable",
     "compiled",
+    "compiling",
     "cumulative_sum",
     "device",
     "eager_constants",
     "eager_cpu",
     "is_array",
     "materialized",
+    "outside_graph",
     "stacked_qr",
 ]
 
@@ -122,6 +124,24 @@ def eager_cpu(xp: Any, dev: Any) -> bool:
     return not sys.modules["torch"].compiler.is_compiling()
 
 
+def compiling(x: Any) -> bool:
+    """Whether ``x`` is a tensor that ``torch.compile`` is tracing into a graph.
+
+    Such code runs once, to build the graph: no locks (Dynamo cannot trace them) and no caching
+    of what it makes (the tensors are placeholders of the graph being built).
+    """
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor) and torch.compiler.is_compiling()
+
+
+def outside_graph(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` run eagerly when called from code that ``torch.compile`` traces.
+
+    Only call it where :func:`compiling` is true (torch is then imported).
+    """
+    return sys.modules["torch"].compiler.disable(function)
+
+
 def cacheable(x: Any) -> bool:
     """Whether a freshly made constant array may be reused by later calls.
 
@@ -130,9 +150,8 @@ def cacheable(x: Any) -> bool:
     PyTorch inference tensor (made under ``torch.inference_mode``, it could not be saved for
     backward by a later training step).
     """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return not (torch.compiler.is_compiling() or x.is_inference())
+    if _torch_namespace(x) is not None:
+        return not (compiling(x) or x.is_inference())
     return not any(cls.__name__ == "Tracer" for cls in type(x).__mro__)
 
 
@@ -158,7 +177,10 @@ def eager_constants(xp: Any) -> AbstractContextManager[Any]:
     if library in _JAX and "jax" in sys.modules:
         return sys.modules["jax"].ensure_compile_time_eval()
     if library == "torch" and "torch" in sys.modules:
-        return sys.modules["torch"].inference_mode(False)
+        torch = sys.modules["torch"]
+        # While torch.compile traces, a constant is part of the graph being built (and
+        # Dynamo cannot enter inference_mode): there is nothing to keep eagerly.
+        return nullcontext() if torch.compiler.is_compiling() else torch.inference_mode(False)
     return nullcontext()
 
 

@@ -32,9 +32,11 @@ from ._policy import (
     array_namespace,
     cacheable,
     compiled,
+    compiling,
     device,
     eager_constants,
     materialized,
+    outside_graph,
     stacked_qr,
 )
 
@@ -431,6 +433,13 @@ def _cached_favor_projection(
     xp = array_namespace(x)
     dev = device(x)
     key = (dim, num_features, seed, orthogonal, xp.__name__, str(dev), str(x.dtype))
+    if compiling(x):  # torch.compile traces no lock and no Python RNG: read the cache only
+        entry = _projection_cache.get(key)
+        if entry is not None:
+            return entry[0]
+        # First use: built eagerly, outside the graph (one graph break, on this call only).
+        build = outside_graph(_cached_favor_projection)
+        return build(x, dim, num_features, seed, orthogonal)
     with _projection_cache_lock:
         entry = _projection_cache.get(key)
         if entry is not None:

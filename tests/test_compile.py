@@ -50,6 +50,7 @@ EXPLAIN_CASES = {
     """,
     "favor_plus": """
         phi = polylin.feature_maps.favor_plus(8, num_features=16, seed=0)
+        polylin.causal_linear_attention(q, k, v, phi)  # builds the projection, eagerly
         fn, args, kwargs = polylin.causal_linear_attention, (q, k, v, phi), {}
     """,
     "linear_attention": "fn, args, kwargs = polylin.linear_attention, (q, k, v), {}",
@@ -177,3 +178,16 @@ def test_traceable_cumulative_sum_is_the_standard_one(backend, include_initial: 
             pad[axis] = (1, 0)
             want = np.pad(want, pad)
         np.testing.assert_array_equal(got, want)
+
+
+def test_favor_plus_projection_built_while_compiling(torch) -> None:
+    """Without an eager call first, the projection is built outside the graph, then reused."""
+    phi = polylin.feature_maps.favor_plus(8, num_features=24, seed=7)  # not built anywhere yet
+    compiled = torch.compile(polylin.causal_linear_attention, backend="aot_eager")
+    q, k, v = (x.detach() for x in _inputs(torch))
+    for _ in range(2):
+        out = compiled(q, k, v, phi)
+        ref = polylin.causal_linear_attention(q, k, v, phi)
+        np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+    report = torch._dynamo.explain(polylin.causal_linear_attention)(q, k, v, phi)
+    assert report.graph_break_count == 0  # the projection is cached: one graph from now on
