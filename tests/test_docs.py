@@ -274,3 +274,12 @@ def test_a_wrong_output_on_a_page_fails(tmp_path: Path) -> None:
     (block,) = parse_blocks(page)
     with pytest.raises(AssertionError):
         run_block(block, {})
+
+
+def test_index_links_every_page() -> None:
+    """The index's "Where to go next" list and its toctrees name every page."""
+    text = (DOCS / "index.md").read_text()
+    for page in PAGES:
+        if page.name != "index.md":
+            assert f"]({page.name})" in text, f"index.md does not link {page.name}"
+            assert re.search(rf"^{re.escape(page.stem)}$", text, re.M), f"no toctree has {page.stem}"
