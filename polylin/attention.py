@@ -7,12 +7,20 @@ from itertools import pairwise
 from typing import Any
 
 from ._chunked import causal_chunked
+from ._layout import DEFAULT_SEQ_AXIS, SequenceLayout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
-from ._prepare import apply_feature_map, finish
+from ._prepare import apply_feature_map, finish, select
 from ._quadratic import quadratic
 from ._recurrent import causal_recurrent
 from ._state import LinearAttentionState
-from ._validation import check_cu_seqlens, check_mask, check_options, check_qkv, check_state
+from ._validation import (
+    check_cu_seqlens,
+    check_mask,
+    check_method,
+    check_options,
+    check_qkv,
+    check_state,
+)
 from ._varlen import length_mask, pack, unpack
 
 __all__ = [
@@ -42,6 +50,7 @@ def causal_linear_attention(
     return_state: bool = False,
     attention_mask: Any | None = None,
     cu_seqlens: Sequence[int] | None = None,
+    seq_axis: int = DEFAULT_SEQ_AXIS,
 ) -> Any:
     r"""Causal linear attention: ``o_t = phi(q_t) S_t / (phi(q_t) @ z_t + eps)``.
 
@@ -107,54 +116,60 @@ def causal_linear_attention(
     >>> bool(np.allclose(out, ref))
     True
     """
+    layout = SequenceLayout.of(seq_axis, q)
+    q, k, v = layout.to_standard(q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=True)
-    check_options(eps=eps, chunk_size=chunk_size)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    eps, chunk_size = check_options(eps=eps, chunk_size=chunk_size, inputs=inputs)
+    check_method(method, METHODS)
+    xp = inputs.xp
+    T = q.shape[-2]
     if cu_seqlens is not None:
         if attention_mask is not None:
             raise ValueError("pass attention_mask or cu_seqlens, not both")
-        offsets = check_cu_seqlens(cu_seqlens, q.shape[-2])
+        offsets = check_cu_seqlens(cu_seqlens, T)
         max_len = max(b - a for a, b in pairwise(offsets))
+        lengths = length_mask(xp, offsets, max_len, inputs.device)
         out, state = causal_linear_attention(
-            *(pack(inputs.xp, x, offsets, max_len) for x in (q, k, v)),
+            *(pack(xp, x, offsets, max_len) for x in (q, k, v)),
             feature_map,
             method=method,
             chunk_size=chunk_size,
             eps=eps,
             initial_state=initial_state,
             return_state=True,
-            attention_mask=length_mask(inputs.xp, offsets, max_len, inputs.device),
+            # full rank: with head axes a 2-D mask would mean (batch, T)
+            attention_mask=xp.reshape(lengths, (*[1] * len(inputs.batch_shape), *lengths.shape)),
         )
-        out = unpack(inputs.xp, out, offsets)
+        out = layout.restore(unpack(xp, out, offsets))
         return (out, state) if return_state else out
 
+    mask = None if attention_mask is None else check_mask(inputs, attention_mask, T, layout)
+    # Padding may hold anything (uninitialized memory): select it away before any arithmetic.
+    q, k, v = (select(xp, mask, x) for x in (q, k, v))
     v = inputs.to_work_dtype(v)
-    mask = None
-    if attention_mask is not None:
-        mask = check_mask(inputs, attention_mask, q.shape[-2])
 
     def features(start: int, stop: int) -> tuple[Any, Any]:
         # A feature map acts on each token alone, so the chunked form maps block by block.
         fq, fk = apply_feature_map(
             inputs, feature_map, q[..., start:stop, :], k[..., start:stop, :]
         )
-        return fq, (fk if mask is None else fk * mask[..., start:stop, :])
+        # phi(0) is not 0: masked keys are selected away again after the map.
+        return fq, (fk if mask is None else select(xp, mask[..., start:stop, :], fk))
 
-    T = q.shape[-2]
     # The chunked form maps its own blocks: there a one-token probe gives the feature size.
     fq, fk = features(0, min(T, 1)) if method == "chunked" else features(0, T)
     S, z = check_state(
         inputs, initial_state, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
     )
-    xp = inputs.xp
+    if T == 0:  # the new state must not be the caller's own arrays
+        S, z = xp.asarray(S, copy=True), xp.asarray(z, copy=True)
     if method == "chunked":
         out, S, z = causal_chunked(xp, features, v, S, z, chunk_size=chunk_size, eps=eps)
     elif method == "recurrent":
         out, S, z = causal_recurrent(xp, fq, fk, v, S, z, eps=eps)
     else:
         out, S, z = quadratic(xp, fq, fk, v, S, z, causal=True, eps=eps)
-    out = finish(inputs, out, mask)
+    out = layout.restore(finish(inputs, out, mask))
     return (out, LinearAttentionState(S, z)) if return_state else out
 
 
@@ -167,6 +182,7 @@ def linear_attention(
     *,
     eps: float = DEFAULT_EPS,
     attention_mask: Any | None = None,
+    seq_axis: int = DEFAULT_SEQ_AXIS,
 ) -> Any:
     """Non-causal linear attention: every query attends to every key.
 
@@ -214,20 +230,23 @@ def linear_attention(
            [1., 1.],
            [1., 1.]])
     """
+    layout = SequenceLayout.of(seq_axis, q)
+    q, k, v = layout.to_standard(q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=False)
-    check_options(eps=eps)
+    eps, _ = check_options(eps=eps, inputs=inputs)
     xp = inputs.xp
-    fq, fk = apply_feature_map(inputs, feature_map, q, k)
-    v = inputs.to_work_dtype(v)
-    query_mask = None
+    mask = query_mask = None
     if attention_mask is not None:
-        mask = check_mask(inputs, attention_mask, k.shape[-2])
-        fk = fk * mask
+        mask = check_mask(inputs, attention_mask, k.shape[-2], layout)
         query_mask = mask if q.shape[-2] == k.shape[-2] else None
+    k, v = select(xp, mask, k), select(xp, mask, v)
+    fq, fk = apply_feature_map(inputs, feature_map, select(xp, query_mask, q), k)
+    fk = select(xp, mask, fk)
+    v = inputs.to_work_dtype(v)
     S = xp.matmul(xp.matrix_transpose(fk), v)
     z = xp.sum(fk, axis=-2)
     out = xp.matmul(fq, S) / (xp.matmul(fq, z[..., None]) + eps)
-    return finish(inputs, out, query_mask)
+    return layout.restore(finish(inputs, out, query_mask))
 
 
 def masked_kernel_attention(
@@ -239,6 +258,7 @@ def masked_kernel_attention(
     *,
     causal: bool = True,
     eps: float = DEFAULT_EPS,
+    seq_axis: int = DEFAULT_SEQ_AXIS,
 ) -> Any:
     """The quadratic reference: ``A = tril(phi(Q) phi(K)^T)``, ``O = A V / (A 1 + eps)``.
 
@@ -281,10 +301,12 @@ def masked_kernel_attention(
            [2.],
            [2.]])
     """
+    layout = SequenceLayout.of(seq_axis, q)
+    q, k, v = layout.to_standard(q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=causal)
-    check_options(eps=eps)
+    eps, _ = check_options(eps=eps, inputs=inputs)
     fq, fk = apply_feature_map(inputs, feature_map, q, k)
     v = inputs.to_work_dtype(v)
     S, z = check_state(inputs, None, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="state")
     out, _, _ = quadratic(inputs.xp, fq, fk, v, S, z, causal=causal, eps=eps)
-    return finish(inputs, out, None)
+    return layout.restore(finish(inputs, out, None))
