@@ -5,7 +5,7 @@ the feature axis last, every other axis a batch axis. An entry point that takes 
 moves that axis in with :meth:`SequenceLayout.to_standard` and the output's time axis back out
 with :meth:`SequenceLayout.restore`; nothing else changes. The moves are ``permute_dims``: a
 view on NumPy and PyTorch (the chunked form's reshapes then copy the inputs once), a transpose
-that XLA fuses on JAX. ``docs/concepts.md`` gives the measured cost.
+that XLA fuses on JAX. ``docs/getting_started.md`` gives the measured cost.
 
 With ``seq_axis=1`` and ``(batch, T, heads, d)`` inputs, the standard layout is
 ``(batch, heads, T, d)``: the state's leading dimensions are the inputs' without T and the

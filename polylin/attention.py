@@ -60,45 +60,71 @@ def causal_linear_attention(
     Parameters
     ----------
     q, k : array
-        Queries and keys, shape ``(..., T, d_k)``, any number of leading batch/head dimensions.
+        Queries and keys, shape ``(..., T, d_k)``, any number of leading batch/head dimensions
+        (with ``seq_axis``, T may sit on another axis: ``(B, T, H, d_k)`` with ``seq_axis=1``).
     v : array
         Values, shape ``(..., T, d_v)``, the same leading dimensions and dtype.
     feature_map : callable, optional
         Positive feature map applied to ``q`` and ``k``; default
         :func:`polylin.feature_maps.elu_plus_one`. If it has a ``map_query`` method, that maps the
         queries (any per-query scale cancels in the normalization; see
-        :func:`polylin.feature_maps.favor_plus`).
+        :func:`polylin.feature_maps.favor_plus`). It must return a real floating array of the
+        inputs' library, ``(..., d_phi)``, and act on each token alone.
     method : {"chunked", "recurrent", "quadratic"}
         ``"chunked"``: the parallel chunkwise form, O(T C d + T d_k d_v), never a T x T matrix.
         ``"recurrent"``: one state update per token, O(d_k d_v) memory. ``"quadratic"``: the
         masked kernel form, O(T^2).
     chunk_size : int
-        Chunk length C of the chunked form (T need not be a multiple of it).
+        Chunk length C of the chunked form (T need not be a multiple of it); any integer >= 1
+        (checked for every method).
     eps : float
-        Added to the normalizer ``phi(q_t) . z_t``; must be > 0.
+        Added to the normalizer ``phi(q_t) . z_t``; any real number that is positive and finite
+        in the work dtype (at least its smallest normal number: ``1.2e-38`` for float32).
     initial_state : LinearAttentionState, optional
-        State ``(S, z)`` to continue from, shapes ``(..., d_phi, d_v)`` and ``(..., d_phi)``.
-        With ``cu_seqlens`` there is one per sequence: ``(..., N, d_phi, d_v)``.
+        State ``(S, z)`` to continue from, shapes ``(..., d_phi, d_v)`` and ``(..., d_phi)``
+        (``...``: the inputs' leading dimensions without T), in the work dtype. With
+        ``cu_seqlens`` there is one per sequence: ``(..., N, d_phi, d_v)``.
     return_state : bool
         Also return the state after the last token.
     attention_mask : array of bool, optional
-        ``(..., T)``, True for real tokens, broadcastable to ``q.shape[:-1]``. Masked keys add to
-        neither S nor z; outputs at masked positions are exactly zero. Left or right padding.
+        True for real tokens. A 2-D ``(batch, T)`` mask (what a tokenizer returns) always means
+        the first leading axis and the time axis, for any layout and number of head axes; any
+        other mask has the shape of ``q`` without its feature axis (size-1 axes broadcast), in
+        the inputs' layout. Masked positions are selected away, never multiplied: whatever
+        ``q``, ``k``, ``v`` hold there (NaN, inf), they add to neither S nor z, real outputs
+        are those without them, and masked outputs are exactly zero. Left or right padding.
     cu_seqlens : sequence of int, optional
         Offsets ``[0, l1, l1 + l2, ..., T]`` of packed independent sequences along the T axis.
+    seq_axis : int
+        The axis of T in ``q``, ``k`` and ``v`` (default -2: ``(..., T, d)``); ``seq_axis=1``
+        takes ``(batch, T, heads, d)``. The output keeps the input layout; the state's leading
+        dimensions are the inputs' without T and the feature axis.
 
     Returns
     -------
     array or (array, LinearAttentionState)
-        The output, shape ``(..., T, d_v)``, same library, device and dtype as ``q``; with
-        ``return_state`` also the final state (float32 for 16-bit inputs).
+        The output, the shape of ``q`` with ``d_v`` features, same library, device and dtype as
+        ``q``; with ``return_state`` also the final state (float32 for 16-bit inputs).
 
     Raises
     ------
     TypeError
-        Arrays from different libraries, non-floating dtypes, a non-callable feature map.
+        Arrays from different libraries, non-floating dtypes, unsupported arrays (NumPy masked
+        arrays, ml_dtypes dtypes, sparse tensors), a non-callable feature map or one returning
+        another library or a complex array, a state of another dtype, options of the wrong type
+        or traced under ``jax.jit`` (they must be static).
     ValueError
-        Mismatched shapes or devices, an unknown method, ``chunk_size < 1``, ``eps <= 0``.
+        Mismatched shapes or devices, a mask that fits neither mask rule, an unknown method,
+        ``chunk_size < 1``, ``eps`` not positive and finite in the work dtype.
+
+    Notes
+    -----
+    Non-finite values: a NaN or inf in an *unmasked* query or key at position t never changes
+    an output before t (all methods). A non-finite *value* ``v_t`` does reach earlier outputs
+    through a matrix product (``0 * nan`` is NaN): in the chunked form the outputs from the
+    start of t's chunk (``t - t % chunk_size``), in the quadratic form all outputs; only the
+    recurrent form keeps every output before t. See the documentation page "Numerics and
+    non-finite values".
 
     Examples
     --------
@@ -200,10 +226,14 @@ def linear_attention(
     feature_map : callable, optional
         Positive feature map; default :func:`polylin.feature_maps.elu_plus_one`.
     eps : float
-        Added to the normalizer; must be > 0.
+        Added to the normalizer; positive and finite in the work dtype.
     attention_mask : array of bool, optional
-        ``(..., T_k)``, True for real keys; masked keys add to neither S nor z. When
-        ``T_q == T_k`` (self-attention) the outputs at masked positions are also zero.
+        True for real keys: ``(batch, T_k)``, or the shape of ``k`` without its feature axis
+        (size-1 axes broadcast), as for :func:`causal_linear_attention`. Masked keys and values
+        add to neither S nor z whatever they hold. When ``T_q == T_k`` (self-attention) the
+        outputs at masked positions are also exactly zero.
+    seq_axis : int
+        The axis of T in ``q``, ``k`` and ``v`` (default -2); the output keeps the layout.
 
     Returns
     -------
@@ -215,7 +245,7 @@ def linear_attention(
     TypeError
         Arrays from different libraries, non-floating dtypes.
     ValueError
-        Mismatched shapes or devices, ``eps <= 0``.
+        Mismatched shapes or devices, ``eps`` not positive and finite in the work dtype.
 
     Examples
     --------
@@ -276,7 +306,9 @@ def masked_kernel_attention(
     causal : bool
         Apply the lower-triangular mask (query t sees keys s <= t).
     eps : float
-        Added to the row sums ``A 1``; must be > 0.
+        Added to the row sums ``A 1``; positive and finite in the work dtype.
+    seq_axis : int
+        The axis of T in ``q``, ``k`` and ``v`` (default -2); the output keeps the layout.
 
     Returns
     -------
@@ -288,7 +320,7 @@ def masked_kernel_attention(
     TypeError
         Arrays from different libraries, non-floating dtypes.
     ValueError
-        Mismatched shapes or devices, ``eps <= 0``.
+        Mismatched shapes or devices, ``eps`` not positive and finite in the work dtype.
 
     Examples
     --------

@@ -46,8 +46,7 @@ def step(
         but a different map of the *same* size cannot be detected and silently gives wrong
         outputs.
     eps : float
-        Added to the normalizer; must be > 0 and at least the smallest normal number of the
-        work dtype.
+        Added to the normalizer; positive and finite in the work dtype.
     attention_mask : array of bool, optional
         Which rows take this token, shape ``q_t.shape[:-1]`` (size-1 axes broadcast) or 1-D
         ``(batch,)`` for the first leading axis. Rows where it is False keep their state
