@@ -10,6 +10,13 @@ that XLA fuses on JAX. ``docs/getting_started.md`` gives the measured cost.
 With ``seq_axis=1`` and ``(batch, T, heads, d)`` inputs, the standard layout is
 ``(batch, heads, T, d)``: the state's leading dimensions are the inputs' without T and the
 feature axis, in their order.
+
+An entry point adopts ``seq_axis`` with two lines, and passes ``layout`` to
+:func:`polylin._validation.check_mask` so that masks follow the mask rule in the caller's layout::
+
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)  # first thing
+    ...
+    return layout.restore(out)  # every output with a T axis
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any, NamedTuple
 from ._policy import is_tracer
 from ._validation import namespace_of
 
-__all__ = ["DEFAULT_SEQ_AXIS", "SequenceLayout"]
+__all__ = ["DEFAULT_SEQ_AXIS", "SequenceLayout", "standard_layout"]
 
 #: The default ``seq_axis``: inputs ``(..., T, d)``.
 DEFAULT_SEQ_AXIS = -2
@@ -91,3 +98,13 @@ class SequenceLayout(NamedTuple):
         order = self._order()
         inverse = tuple(order.index(i) for i in range(self.ndim))
         return namespace_of(output=x).permute_dims(x, inverse)
+
+
+def standard_layout(seq_axis: Any, **arrays: Any) -> tuple[Any, ...]:
+    """Validate ``seq_axis`` and move the time axis of the named arrays to -2.
+
+    Returns ``(layout, *arrays)``; ``seq_axis`` is checked against the first array.
+    """
+    name, first = next(iter(arrays.items()))
+    layout = SequenceLayout.of(seq_axis, first, name=name)
+    return (layout, *layout.to_standard(**arrays))

@@ -7,7 +7,7 @@ from itertools import pairwise
 from typing import Any
 
 from ._chunked import causal_chunked
-from ._layout import DEFAULT_SEQ_AXIS, SequenceLayout
+from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import apply_feature_map, finish, select
 from ._quadratic import quadratic
@@ -142,8 +142,7 @@ def causal_linear_attention(
     >>> bool(np.allclose(out, ref))
     True
     """
-    layout = SequenceLayout.of(seq_axis, q)
-    q, k, v = layout.to_standard(q=q, k=k, v=v)
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=True)
     eps, chunk_size = check_options(eps=eps, chunk_size=chunk_size, inputs=inputs)
     check_method(method, METHODS)
@@ -260,8 +259,7 @@ def linear_attention(
            [1., 1.],
            [1., 1.]])
     """
-    layout = SequenceLayout.of(seq_axis, q)
-    q, k, v = layout.to_standard(q=q, k=k, v=v)
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=False)
     eps, _ = check_options(eps=eps, inputs=inputs)
     xp = inputs.xp
@@ -333,8 +331,7 @@ def masked_kernel_attention(
            [2.],
            [2.]])
     """
-    layout = SequenceLayout.of(seq_axis, q)
-    q, k, v = layout.to_standard(q=q, k=k, v=v)
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=causal)
     eps, _ = check_options(eps=eps, inputs=inputs)
     fq, fk = apply_feature_map(inputs, feature_map, q, k)
