@@ -255,8 +255,7 @@ def check_mask(
         raise TypeError(f"{name} must be an array of the same library as q")
     if _other_device(inputs.device, attention_mask):
         raise ValueError(
-            f"{name} is on device {device_of(attention_mask)} "
-            f"but q is on device {inputs.device}"
+            f"{name} is on device {device_of(attention_mask)} but q is on device {inputs.device}"
         )
     if not xp.isdtype(attention_mask.dtype, "bool"):
         raise TypeError(
@@ -307,8 +306,7 @@ def check_token_mask(inputs: AttentionInputs, attention_mask: Any) -> Any:
         raise TypeError(f"{name} must be an array of the same library as q_t")
     if _other_device(inputs.device, attention_mask):
         raise ValueError(
-            f"{name} is on device {device_of(attention_mask)} "
-            f"but q_t is on device {inputs.device}"
+            f"{name} is on device {device_of(attention_mask)} but q_t is on device {inputs.device}"
         )
     if not xp.isdtype(attention_mask.dtype, "bool"):
         raise TypeError(
