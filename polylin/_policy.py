@@ -220,8 +220,13 @@ def _jitted(function: Callable[..., Any], static_argnames: Hashable) -> Callable
 def is_tracer(x: Any) -> bool:
     """Whether ``x`` is a JAX tracer: a value only known when the traced function runs.
 
-    Detected by class name so that the core never imports JAX.
+    Detected by class name so that the core never imports JAX. Python numbers and torch tensors
+    are answered first: ``torch.compile`` cannot walk the class hierarchy of a builtin type.
     """
+    if x is None or isinstance(x, (bool, int, float, complex, str)):
+        return False
+    if _torch_namespace(x) is not None:
+        return False
     return any(cls.__name__ == "Tracer" for cls in type(x).__mro__)
 
 
