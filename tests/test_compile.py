@@ -64,6 +64,16 @@ EXPLAIN_CASES = {
         from polylin.torch import LinearAttention
         fn, args, kwargs = LinearAttention(32, 4).step, (torch.randn(2, 32),), {}
     """,
+    "seq_axis=1, (batch, T) mask": """
+        mask = torch.ones(2, 37, dtype=torch.bool)
+        mask[1, 30:] = False
+        fn, args = polylin.causal_linear_attention, (q, k, v)
+        kwargs = dict(seq_axis=1, attention_mask=mask[:, :4])  # (batch, T) with T = 4 here
+    """,
+    "step with finished rows": """
+        fn, args = polylin.step, (q[..., 0, :], k[..., 0, :], v[..., 0, :])
+        kwargs = dict(attention_mask=torch.tensor([True, False]))
+    """,
 }
 
 EXPLAIN_SCRIPT = """

@@ -346,3 +346,20 @@ def test_a_decayed_layer_matches_the_functions_and_decodes() -> None:
         y_t, state = layer.step(x[:, t], state)
         steps.append(y_t)
     torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:], rtol=0, atol=1e-12)
+
+
+def test_finished_rows_keep_their_state_in_step() -> None:
+    """``step(..., attention_mask=m)``: rows where m is False keep their state, output the bias."""
+    layer = _layer()
+    x = _x(T=6)
+    _, state = layer(x[:, :5], return_state=True)
+    done = torch.tensor([1, 0])  # row 1 has finished
+    y_t, new = layer.step(x[:, 5], state, attention_mask=done)
+    y_all, all_new = layer.step(x[:, 5], state)
+    torch.testing.assert_close(y_t[0], y_all[0], rtol=0, atol=0)
+    torch.testing.assert_close(new.S[0], all_new.S[0], rtol=0, atol=0)
+    torch.testing.assert_close(new.S[1], state.S[1], rtol=0, atol=0)
+    torch.testing.assert_close(new.z[1], state.z[1], rtol=0, atol=0)
+    torch.testing.assert_close(y_t[1], layer.out_proj.bias, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(batch,\) = \(2,\)"):
+        layer.step(x[:, 5], state, attention_mask=torch.ones(2, 1, dtype=torch.bool))

@@ -298,7 +298,11 @@ class LinearAttention(nn.Module):
         return (out, new_state) if return_state else out
 
     def step(
-        self, x_t: torch.Tensor, state: LinearAttentionState | None = None
+        self,
+        x_t: torch.Tensor,
+        state: LinearAttentionState | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LinearAttentionState]:
         """Attend one new token per sequence from the state of the tokens before it.
 
@@ -309,6 +313,10 @@ class LinearAttention(nn.Module):
         state : LinearAttentionState, optional
             The state after the earlier tokens (from ``forward(..., return_state=True)`` or an
             earlier ``step``); ``None`` starts from an empty sequence.
+        attention_mask : torch.Tensor, optional
+            ``(batch,)``, True (or 1) for the rows that take this token. A row where it is False
+            (a finished sequence in a batch) keeps its state unchanged; its attention output is
+            zero, so ``y_t`` there is ``out_proj.bias``.
 
         Returns
         -------
@@ -337,7 +345,17 @@ class LinearAttention(nn.Module):
             raise ValueError("step needs a causal layer (causal=True)")
         self._check_input(x_t, "x_t", 2, "(batch, embed_dim)")
         q_t, k_t, v_t = self._heads(x_t)  # (batch, heads, head_dim)
-        o_t, state = _step(
-            q_t, k_t, v_t, state, self.feature_map, eps=self.eps, **self._decay_options(x_t)
-        )
+        options = self._decay_options(x_t)
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(
+                    f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}"
+                )
+            if tuple(attention_mask.shape) != (x_t.shape[0],):
+                raise ValueError(
+                    f"attention_mask must have shape (batch,) = ({x_t.shape[0]},), "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            options["attention_mask"] = attention_mask != 0
+        o_t, state = _step(q_t, k_t, v_t, state, self.feature_map, eps=self.eps, **options)
         return self.out_proj(o_t.reshape(x_t.shape[0], -1)), state
