@@ -197,6 +197,11 @@ class Backend(enum.Enum):
         return x
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
 def _jax_x64() -> bool:
     """Whether JAX has 64-bit types in this thread now (its config or an enable_x64 context)."""
     import jax
@@ -209,7 +214,7 @@ def _unavailable_reason(backend: Backend) -> str | None:
     try:
         mod = importlib.import_module(backend.library)
     except Exception as exc:  # ImportError, or a broken install raising something else
-        return f"{backend.library} is not installed ({type(exc).__name__}: {exc})"
+        return f"{backend.library} is not installed ({_first_line(exc)})"
     try:
         if backend is Backend.TORCH_CUDA and not mod.cuda.is_available():
             return "no CUDA device (torch.cuda.is_available() is False)"
@@ -229,7 +234,7 @@ def _unavailable_reason(backend: Backend) -> str | None:
             importlib.import_module("dask.array")
         backend.namespace()
     except Exception as exc:
-        return f"{backend} cannot run here ({type(exc).__name__}: {exc})"
+        return f"{backend} cannot run here ({_first_line(exc)})"
     return None
 
 

@@ -11,7 +11,8 @@ under ``jax:x32``) is never collected. Markers, in the style of array-api-extra:
 
 - ``@pytest.mark.skip_backend(Backend.DASK, ..., reason="...")``: not generated for those;
 - ``@pytest.mark.only_backend(Backend.TORCH, ...)``: generated for those alone;
-- ``@pytest.mark.eager``: the entry points run as the test calls them (no automatic jit).
+- ``@pytest.mark.eager``: the entry points run as the test calls them (no automatic jit on
+  JAX, no compute guard on Dask).
 
 On JAX and Dask, the public functions of polylin that a test module imports by name run as
 users run them: on JAX under ``jax.jit`` (arrays traced, every other argument static; compiled
@@ -113,7 +114,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "only_backend(*backends, reason): generate the backend fixture for these only"
     )
     config.addinivalue_line(
-        "markers", "eager: on JAX, call the entry points as written (no automatic jax.jit)"
+        "markers", "eager: call the entry points as written (no jax.jit, no Dask compute guard)"
     )
     if WITH_X32 or Backend.JAX in BACKENDS or Backend.JAX_CUDA in BACKENDS:
         with contextlib.suppress(ImportError):
@@ -181,9 +182,10 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
             import jax
 
             stack.enter_context(jax.enable_x64(False))
-        if b in (Backend.JAX, Backend.JAX_CUDA) and not request.node.get_closest_marker("eager"):
+        eager = request.node.get_closest_marker("eager") is not None
+        if b in (Backend.JAX, Backend.JAX_CUDA) and not eager:
             stack.enter_context(_jit_entry_points(request.module))
-        if b is Backend.DASK:
+        if b is Backend.DASK and not eager:
             stack.enter_context(patch_lazy_xp_functions(request, xp=b.namespace()))
         yield b
 
