@@ -21,8 +21,9 @@ What it times, on the same inputs ``(batch, heads, T, d)``, with the implementat
 Every output is compared with polylin's float64 chunked result on the same device
 (``max_abs_diff_vs_float64``) and checked to be on the input's device. Times are medians of
 repeats after a warm-up, each stopped by the backend's synchronization (the timer, the flop
-model, the run metadata and the targets file are those of the CPU benchmark). Results go to JSON after
-every cell (so a run cut short keeps what it measured) and to a PNG when matplotlib is there.
+model, the run metadata and the targets file are those of the CPU benchmark). Results go to
+JSON after every cell (so a run cut short keeps what it measured) and to a PNG when matplotlib
+is there.
 
 ``--device cpu`` runs the same code paths on the CPU with NumPy standing in for CuPy; the test
 suite uses it as a smoke test with tiny sizes. Nothing here changes global precision settings:
@@ -36,7 +37,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

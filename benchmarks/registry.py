@@ -145,7 +145,8 @@ def _float32_matmul_precision(precision: str) -> Iterator[None]:
 
 
 @register(
-    "chunked_tf32", libraries=("torch",),
+    "chunked_tf32",
+    libraries=("torch",),
     description="the chunked path with TF32 matmuls for the call only (float32, CUDA)",
 )
 def _chunked_tf32(setup: Setup) -> Callable[..., Any]:
@@ -175,7 +176,9 @@ def _recurrent(setup: Setup) -> Callable[..., Any]:
 
 
 @register(
-    "seed", libraries=("torch",), loop=True,
+    "seed",
+    libraries=("torch",),
+    loop=True,
     description="the original per-token PyTorch loop, as written",
 )
 def _seed(setup: Setup) -> Callable[..., Any]:
@@ -188,7 +191,10 @@ def _seed(setup: Setup) -> Callable[..., Any]:
 
 
 @register(
-    "sdpa", libraries=("torch",), order=2, compare=False,
+    "sdpa",
+    libraries=("torch",),
+    order=2,
+    compare=False,
     description="PyTorch's causal softmax attention (a different function, timed only)",
 )
 def _sdpa(setup: Setup) -> Callable[..., Any]:
@@ -200,8 +206,10 @@ def _sdpa(setup: Setup) -> Callable[..., Any]:
     # Never the math fallback on the GPU: it builds the T x T matrix.
     errors = []
     probe = torch.ones(1, 1, 64, setup.dim, device="cuda", dtype=getattr(torch, setup.dtype))
-    for name, kernel in (("flash", SDPBackend.FLASH_ATTENTION),
-                         ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+    for name, kernel in (
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
         try:
             with warnings.catch_warnings(), sdpa_kernel([kernel]):
                 warnings.simplefilter("ignore")
@@ -220,7 +228,9 @@ def _sdpa(setup: Setup) -> Callable[..., Any]:
 
 
 @register(
-    "fla_chunk", libraries=("torch",), to_layout=baselines.to_fla_layout,
+    "fla_chunk",
+    libraries=("torch",),
+    to_layout=baselines.to_fla_layout,
     from_layout=baselines.to_fla_layout,
     description="flash-linear-attention's chunk_linear_attn (Triton) with elu + 1",
 )

@@ -19,21 +19,23 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import cpu, dask_scaleout, gpu  # noqa: E402
+from benchmarks import cpu, dask_scaleout, gpu
 
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``benchmarks/run.py``."""
     top = argparse.ArgumentParser(
-        prog="python benchmarks/run.py", description=__doc__,
+        prog="python benchmarks/run.py",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = top.add_subparsers(dest="command", metavar="{cpu,gpu,dask,feature-maps}")
     cpu.add_arguments(sub.add_parser("cpu", help="CPU sweep (JSON + PNG)"))
     gpu.add_arguments(sub.add_parser("gpu", help="GPU run vs fla, SDPA, seed loop (JSON + PNG)"))
     dask_scaleout.add_arguments(sub.add_parser("dask", help="Dask scale-out run (JSON)"))
-    sub.add_parser("feature-maps", help="feature-map approximation and backward memory",
-                   add_help=False)
+    sub.add_parser(
+        "feature-maps", help="feature-map approximation and backward memory", add_help=False
+    )
     return top
 
 

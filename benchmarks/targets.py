@@ -17,7 +17,7 @@ from typing import Any
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli as tomllib
 
 __all__ = ["TARGETS_FILE", "evaluate", "load"]
 
@@ -109,8 +109,14 @@ def _judge(spec: dict, name: str, cells: list[dict]) -> dict[str, Any]:
         met = all(c["met"] for c in cells)
         status = "met" if met else "missed"
     return {
-        "target": name, "measured": measured, "limit": limit, "comparison": symbol,
-        "unit": "x", "met": met, "status": status, "cells": cells,
+        "target": name,
+        "measured": measured,
+        "limit": limit,
+        "comparison": symbol,
+        "unit": "x",
+        "met": met,
+        "status": status,
+        "cells": cells,
     }
 
 

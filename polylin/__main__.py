@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -74,11 +75,8 @@ def demo(args: argparse.Namespace) -> int:
         for dtype in [d for d in ("float64", "float32") if d in backend.float_dtypes()]:
             xs = [backend.from_numpy(x, dtype) for x in (q, k, v)]
             for method in METHODS:
-                out, seconds = _time_call(
-                    backend,
-                    lambda xs=xs, method=method: causal_linear_attention(*xs, method=method),
-                    args.repeats,
-                )
+                call = functools.partial(causal_linear_attention, *xs, method=method)
+                out, seconds = _time_call(backend, call, args.repeats)
                 error = float(np.max(np.abs(backend.to_numpy(out) - reference)))
                 print(
                     f"{backend.value:<17} {device:<8} {dtype:<9} {method:<10} "
@@ -131,7 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo.add_argument("--dim", type=int, default=32, help="d_k = d_v (default 32)")
     p_demo.add_argument("--repeats", type=int, default=3, help="timed repeats (median shown)")
     p_demo.add_argument(
-        "--backends", nargs="+", metavar="NAME", choices=[b.value for b in Backend],
+        "--backends",
+        nargs="+",
+        metavar="NAME",
+        choices=[b.value for b in Backend],
         help="backends to run (default: every usable one)",
     )
     p_demo.set_defaults(func=demo)
@@ -140,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_list.set_defaults(func=backends)
 
     p_bench = sub.add_parser(
-        "bench", help="from a clone: run benchmarks/run.py with the arguments that follow",
+        "bench",
+        help="from a clone: run benchmarks/run.py with the arguments that follow",
         add_help=False,
     )
     p_bench.add_argument("args", nargs=argparse.REMAINDER)

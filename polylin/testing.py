@@ -238,7 +238,9 @@ def _unavailable_reason(backend: Backend) -> str | None:
     return None
 
 
-def selected_backends(env_var: str = "POLYLIN_BACKENDS", *, names: str | None = None) -> list[Backend]:
+def selected_backends(
+    env_var: str = "POLYLIN_BACKENDS", *, names: str | None = None
+) -> list[Backend]:
     """The backends named in ``$POLYLIN_BACKENDS`` (or in ``names``; comma separated), or all.
 
     Examples

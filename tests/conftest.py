@@ -158,8 +158,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         backend_id, dtype = params.get("backend"), params.get("dtype")
-        if isinstance(backend_id, str) and isinstance(dtype, str) and dtype not in _dtypes(
-            backend_id
+        if (
+            isinstance(backend_id, str)
+            and isinstance(dtype, str)
+            and dtype not in _dtypes(backend_id)
         ):
             drop.append(item)
         else:

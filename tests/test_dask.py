@@ -21,7 +21,6 @@ from polylin import (
     masked_kernel_attention,
     step,
 )
-
 from polylin.testing import Backend
 
 from .reference import masked_kernel
@@ -262,7 +261,7 @@ def test_distributed_cluster_matches_reference(client, rng):
 
 
 def test_scaleout_quick_on_running_cluster(cluster, tmp_path, capsys):
-    """``benchmarks/run.py dask --quick --scheduler ADDRESS``: the path a multi-machine cluster takes."""
+    """``run.py dask --quick --scheduler ADDRESS``: the path a multi-machine cluster takes."""
     from benchmarks.run import main
 
     rc = main(
@@ -279,7 +278,7 @@ def test_scaleout_quick_on_running_cluster(cluster, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_scaleout_quick_local_clusters(tmp_path):
-    """``benchmarks/run.py dask --quick`` on local clusters of 1 and 2 workers: same checksum on both."""
+    """``run.py dask --quick`` on local clusters of 1 and 2 workers: same checksum on both."""
     from benchmarks.run import main
 
     assert main(["dask", "--quick", "--workers", "1", "2", "--out", str(tmp_path)]) == 0

@@ -78,7 +78,10 @@ def test_drivers_and_cli_import_without_numpy(backend):
         assert main(["backends"]) == 0
     """)
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"PYTHONPATH": str(ROOT), "POLYLIN_BACKENDS": "numpy", "PATH": ""},
     )
     assert out.returncode == 0, out.stderr
