@@ -69,6 +69,9 @@ class Implementation:
     compare: bool = True  # computes polylin's function: outputs are compared
     to_layout: Callable[[Any], Any] | None = None  # inputs to its layout, outside the timer
     from_layout: Callable[[Any], Any] | None = None  # its output back to (..., H, T, D)
+    #: extra arrays (gates, beta, ...) made from (setup, [q, k, v]) outside the timer, passed
+    #: after q, k, v (and differentiated too in forward+backward)
+    extra_inputs: Callable[[Setup, list[Any]], list[Any]] | None = None
 
     def unavailable(self, backend: Backend) -> str | None:
         """Why this implementation cannot run on ``backend``, or ``None``."""
@@ -98,6 +101,8 @@ def make_call(impl: Implementation, setup: Setup, xs: list[Any], mode: str) -> C
     if reason is not None:
         raise Skip(reason)
     fn = impl.build(setup)
+    if impl.extra_inputs is not None:
+        xs = [*xs, *impl.extra_inputs(setup, xs)]
     if impl.to_layout is not None:
         xs = [impl.to_layout(x) for x in xs]
     if mode == "forward":

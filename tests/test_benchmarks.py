@@ -222,6 +222,26 @@ def test_registry_modes_and_reasons(rng):
         register("chunked", description="again")(lambda setup: None)
 
 
+def test_registering_a_case_with_extra_inputs(rng, monkeypatch):
+    """What a new case takes: a builder and, if it needs them, extra arrays made once."""
+    monkeypatch.setattr("benchmarks.registry.REGISTRY", dict(REGISTRY))
+    import benchmarks.registry as registry
+
+    @registry.register(
+        "scaled", description="chunked on v times a per-token weight",
+        extra_inputs=lambda setup, qkv: [np.full((*qkv[2].shape[:-1], 1), 2.0)],
+    )
+    def _scaled(setup):
+        from polylin import causal_linear_attention
+
+        return lambda q, k, v, w: causal_linear_attention(q, k, v * w, chunk_size=4)
+
+    xs = [rng.standard_normal((2, 9, 4)) for _ in range(3)]
+    call = make_call(registry.REGISTRY["scaled"], Setup(Backend.NUMPY), xs, "forward")
+    np.testing.assert_allclose(call(), 2 * masked_kernel(*xs), atol=1e-10)
+    assert "scaled" not in REGISTRY  # the registry seen by this module is the original one
+
+
 @pytest.mark.only_backend(Backend.TORCH, Backend.JAX)
 def test_backward_mode_returns_the_gradient(backend, rng):
     """forward+backward: the call returns d(sum out)/dq, the same for two forms."""
