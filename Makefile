@@ -63,4 +63,4 @@ gpu-wheels: $(VENV)/bin/python
 		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) docs/_build docs/api/generated bench-results .pytest_cache .hypothesis
+	rm -rf $(VENV) docs/_build docs/api/generated bench-results .pytest_cache .hypothesis .mypy_cache
