@@ -243,6 +243,23 @@ def selected_backends(
 ) -> list[Backend]:
     """The backends named in ``$POLYLIN_BACKENDS`` (or in ``names``; comma separated), or all.
 
+    Parameters
+    ----------
+    env_var : str
+        The environment variable to read.
+    names : str, optional
+        Comma-separated backend names to use instead of the environment variable.
+
+    Returns
+    -------
+    list of Backend
+        The named backends in the order given, or every backend when none is named.
+
+    Raises
+    ------
+    ValueError
+        When a name is not a backend's.
+
     Examples
     --------
     >>> from polylin.testing import selected_backends
