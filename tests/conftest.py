@@ -11,6 +11,8 @@ under ``jax:x32``) is never collected. Markers, in the style of array-api-extra:
 
 - ``@pytest.mark.skip_backend(Backend.DASK, ..., reason="...")``: not generated for those;
 - ``@pytest.mark.only_backend(Backend.TORCH, ...)``: generated for those alone;
+- ``@pytest.mark.not_generated(reason, **params)``: the combinations whose parameters all take
+  the given values (a value or a list of values; backends by id) are not generated;
 - ``@pytest.mark.eager``: the entry points run as the test calls them (no automatic jit on
   JAX, no compute guard on Dask).
 
@@ -114,6 +116,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "only_backend(*backends, reason): generate the backend fixture for these only"
     )
     config.addinivalue_line(
+        "markers", "not_generated(reason, **params): drop the combinations with these values"
+    )
+    config.addinivalue_line(
         "markers", "eager: call the entry points as written (no jax.jit, no Dask compute guard)"
     )
     if WITH_X32 or Backend.JAX in BACKENDS or Backend.JAX_CUDA in BACKENDS:
@@ -152,20 +157,25 @@ def _dtypes(backend_id: str) -> list[str]:
     return Backend(backend_id).float_dtypes()
 
 
+def _generated(item: pytest.Item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    backend_id, dtype = params.get("backend"), params.get("dtype")
+    if isinstance(backend_id, str) and isinstance(dtype, str):
+        if dtype not in _dtypes(backend_id):
+            return False  # a dtype the backend lacks
+    for mark in item.iter_markers("not_generated"):
+        wanted = {k: v if isinstance(v, (list, tuple)) else [v] for k, v in mark.kwargs.items()}
+        wanted.pop("reason", None)
+        if all(k in params and params[k] in v for k, v in wanted.items()):
+            return False
+    return True
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Drop the (backend, dtype) pairs that do not exist: they are not tests."""
+    """Drop the combinations that do not exist (or are marked not to be generated)."""
     keep, drop = [], []
     for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        backend_id, dtype = params.get("backend"), params.get("dtype")
-        if (
-            isinstance(backend_id, str)
-            and isinstance(dtype, str)
-            and dtype not in _dtypes(backend_id)
-        ):
-            drop.append(item)
-        else:
-            keep.append(item)
+        (keep if _generated(item) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
