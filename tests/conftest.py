@@ -20,8 +20,8 @@ On JAX and Dask, the public functions of polylin that a test module imports by n
 users run them: on JAX under ``jax.jit`` (arrays traced, every other argument static; compiled
 programs are reused across tests), except ``method="recurrent"``, a Python loop over T that jit
 would unroll into a program the size of the sequence (``tests/test_jax.py`` covers it under jit
-at short T); on Dask, any computation of the graph inside the call raises
-(``array_api_extra.testing.lazy_xp_function``).
+at short T); on Dask, a call that computes the graph more than once raises
+(``array_api_extra.testing.lazy_xp_function``; once: FAVOR+ persists its projection).
 """
 
 from __future__ import annotations
@@ -58,8 +58,11 @@ BACKENDS, WITH_X32 = _selection()
 
 #: polylin's public functions: run under jit on JAX, checked lazy on Dask.
 ENTRY_POINTS = [f for f in map(polylin.__dict__.get, polylin.__all__) if inspect.isfunction(f)]
+# Dask: at most one computation inside a call: FAVOR+ persists its projection (a cached constant,
+# polylin._policy.materialized) when it is first built. tests/test_dask.py checks that the
+# default path computes nothing at all. JAX: see _under_jit.
 for _entry_point in ENTRY_POINTS:
-    lazy_xp_function(_entry_point, jax_jit=False)  # Dask: no compute() inside; JAX: below
+    lazy_xp_function(_entry_point, jax_jit=False, allow_dask_compute=1)
 
 _JIT_CACHE: dict[Any, Callable[..., Any]] = {}
 
@@ -140,8 +143,19 @@ def _marked(metafunc: pytest.Metafunc, name: str) -> set[Backend] | None:
     return {b for mark in marks for b in mark.args}
 
 
+def _parametrizes_backend_itself(metafunc: pytest.Metafunc) -> bool:
+    """A test whose own ``parametrize`` names ``backend`` (a plain value, not the fixture)."""
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if "backend" in names:
+            return True
+    return False
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend" not in metafunc.fixturenames:
+    if "backend" not in metafunc.fixturenames or _parametrizes_backend_itself(metafunc):
         return
     only, skip = _marked(metafunc, "only_backend"), _marked(metafunc, "skip_backend") or set()
     ids = [b.value for b in BACKENDS if (only is None or b in only) and b not in skip]
