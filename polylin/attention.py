@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import pairwise
-from typing import Any
 
 from ._chunked import causal_chunked
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
@@ -12,6 +11,7 @@ from ._prepare import apply_feature_map, finish
 from ._quadratic import quadratic
 from ._recurrent import causal_recurrent
 from ._state import LinearAttentionState
+from ._typing import Array
 from ._validation import check_cu_seqlens, check_mask, check_options, check_qkv, check_state
 from ._varlen import length_mask, pack, unpack
 
@@ -25,13 +25,13 @@ __all__ = [
 #: The algorithms of :func:`causal_linear_attention`; they compute the same function.
 METHODS = ("chunked", "recurrent", "quadratic")
 
-FeatureMap = Callable[[Any], Any]
+FeatureMap = Callable[[Array], Array]
 
 
 def causal_linear_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Array,
+    k: Array,
+    v: Array,
     /,
     feature_map: FeatureMap | None = None,
     *,
@@ -40,9 +40,9 @@ def causal_linear_attention(
     eps: float = DEFAULT_EPS,
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
-    attention_mask: Any | None = None,
+    attention_mask: Array | None = None,
     cu_seqlens: Sequence[int] | None = None,
-) -> Any:
+) -> Array | tuple[Array, LinearAttentionState]:
     r"""Causal linear attention: ``o_t = phi(q_t) S_t / (phi(q_t) @ z_t + eps)``.
 
     ``S_t = sum_{s<=t} phi(k_s) v_s^T`` and ``z_t = sum_{s<=t} phi(k_s)``. The three methods
@@ -116,8 +116,11 @@ def causal_linear_attention(
             raise ValueError("pass attention_mask or cu_seqlens, not both")
         offsets = check_cu_seqlens(cu_seqlens, q.shape[-2])
         max_len = max(b - a for a, b in pairwise(offsets))
+        packed_q, packed_k, packed_v = (pack(inputs.xp, x, offsets, max_len) for x in (q, k, v))
         out, state = causal_linear_attention(
-            *(pack(inputs.xp, x, offsets, max_len) for x in (q, k, v)),
+            packed_q,
+            packed_k,
+            packed_v,
             feature_map,
             method=method,
             chunk_size=chunk_size,
@@ -134,7 +137,7 @@ def causal_linear_attention(
     if attention_mask is not None:
         mask = check_mask(inputs, attention_mask, q.shape[-2])
 
-    def features(start: int, stop: int) -> tuple[Any, Any]:
+    def features(start: int, stop: int) -> tuple[Array, Array]:
         # A feature map acts on each token alone, so the chunked form maps block by block.
         fq, fk = apply_feature_map(
             inputs, feature_map, q[..., start:stop, :], k[..., start:stop, :]
@@ -159,15 +162,15 @@ def causal_linear_attention(
 
 
 def linear_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Array,
+    k: Array,
+    v: Array,
     /,
     feature_map: FeatureMap | None = None,
     *,
     eps: float = DEFAULT_EPS,
-    attention_mask: Any | None = None,
-) -> Any:
+    attention_mask: Array | None = None,
+) -> Array:
     """Non-causal linear attention: every query attends to every key.
 
     ``o_i = phi(q_i) S / (phi(q_i) . z + eps)`` with ``S = phi(K)^T V`` and ``z = phi(K)^T 1``,
@@ -231,15 +234,15 @@ def linear_attention(
 
 
 def masked_kernel_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Array,
+    k: Array,
+    v: Array,
     /,
     feature_map: FeatureMap | None = None,
     *,
     causal: bool = True,
     eps: float = DEFAULT_EPS,
-) -> Any:
+) -> Array:
     """The quadratic reference: ``A = tril(phi(Q) phi(K)^T)``, ``O = A V / (A 1 + eps)``.
 
     Exact and simple, O(T^2) time and memory: use it to check the linear forms and for short
