@@ -49,6 +49,12 @@ CASES = [(c, m) for m in polylin.METHODS for c in SHAPES if (c, m) != ("blocks",
     method="recurrent",
     dtype=["float16", "bfloat16"],
 )
+@pytest.mark.not_generated(
+    reason="x64 off changes JAX's default dtypes, which float32 inputs exercise; its 16-bit "
+    "inputs compute exactly as with x64 on (tests/test_jax.py runs them under jit)",
+    backend="jax:x32",
+    dtype=["float16", "bfloat16"],
+)
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
 @pytest.mark.parametrize(("case", "method"), CASES, ids=[f"{c}-{m}" for c, m in CASES])
 def test_causal_matches_reference(backend, method, dtype, case, rng):
