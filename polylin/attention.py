@@ -7,6 +7,7 @@ from itertools import pairwise
 from typing import Any
 
 from ._chunked import causal_chunked
+from ._decay import check_log_decay, pack_log_decay
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import apply_feature_map, finish
 from ._quadratic import quadratic
@@ -42,11 +43,15 @@ def causal_linear_attention(
     return_state: bool = False,
     attention_mask: Any | None = None,
     cu_seqlens: Sequence[int] | None = None,
+    log_decay: Any | None = None,
+    normalize: bool = True,
 ) -> Any:
     r"""Causal linear attention: ``o_t = phi(q_t) S_t / (phi(q_t) @ z_t + eps)``.
 
     ``S_t = sum_{s<=t} phi(k_s) v_s^T`` and ``z_t = sum_{s<=t} phi(k_s)``. The three methods
-    compute the same function (to round-off) at different costs.
+    compute the same function (to round-off) at different costs. With ``log_decay`` the state
+    decays before each token is added, ``S_t = diag(exp(g_t)) S_{t-1} + phi(k_t) v_t^T`` (and
+    ``z`` alike): RetNet, gated linear attention, Mamba-2 (see :doc:`/decay`).
 
     Parameters
     ----------
@@ -77,6 +82,16 @@ def causal_linear_attention(
         neither S nor z; outputs at masked positions are exactly zero. Left or right padding.
     cu_seqlens : sequence of int, optional
         Offsets ``[0, l1, l1 + l2, ..., T]`` of packed independent sequences along the T axis.
+    log_decay : float or array, optional
+        Log of the decay factor ``g_t <= 0``: a float (one decay everywhere) or an array that
+        broadcasts against the mapped keys ``(..., T, d_phi)``, with a trailing axis of 1 (one
+        gate per token, e.g. ``(heads, 1, 1)`` for a fixed decay per head) or ``d_phi`` (one
+        per feature channel). Positive values (growth) are outside the contract. Gradients
+        flow to it.
+    normalize : bool
+        Divide by the normalizer ``phi(q_t) . z_t + eps``; ``False`` returns the numerator
+        ``phi(q_t) S_t`` (RetNet, GLA and Mamba-2 do not normalize; ``eps`` is then unused).
+        The state keeps ``z`` either way.
 
     Returns
     -------
@@ -116,6 +131,7 @@ def causal_linear_attention(
             raise ValueError("pass attention_mask or cu_seqlens, not both")
         offsets = check_cu_seqlens(cu_seqlens, q.shape[-2])
         max_len = max(b - a for a, b in pairwise(offsets))
+        decay = check_log_decay(inputs, log_decay, length=q.shape[-2], d_phi=None)
         out, state = causal_linear_attention(
             *(pack(inputs.xp, x, offsets, max_len) for x in (q, k, v)),
             feature_map,
@@ -125,6 +141,10 @@ def causal_linear_attention(
             initial_state=initial_state,
             return_state=True,
             attention_mask=length_mask(inputs.xp, offsets, max_len, inputs.device),
+            log_decay=pack_log_decay(
+                inputs.xp, decay, lambda x: pack(inputs.xp, x, offsets, max_len)
+            ),
+            normalize=normalize,
         )
         out = unpack(inputs.xp, out, offsets)
         return (out, state) if return_state else out
@@ -134,26 +154,31 @@ def causal_linear_attention(
     if attention_mask is not None:
         mask = check_mask(inputs, attention_mask, q.shape[-2])
 
-    def features(start: int, stop: int) -> tuple[Any, Any]:
+    def features(q: Any, k: Any, mask: Any | None) -> tuple[Any, Any]:
         # A feature map acts on each token alone, so the chunked form maps block by block.
-        fq, fk = apply_feature_map(
-            inputs, feature_map, q[..., start:stop, :], k[..., start:stop, :]
-        )
-        return fq, (fk if mask is None else fk * mask[..., start:stop, :])
+        fq, fk = apply_feature_map(inputs, feature_map, q, k)
+        return fq, (fk if mask is None else fk * mask)
 
     T = q.shape[-2]
     # The chunked form maps its own blocks: there a one-token probe gives the feature size.
-    fq, fk = features(0, min(T, 1)) if method == "chunked" else features(0, T)
+    if method == "chunked":
+        fq, fk = features(q[..., : min(T, 1), :], k[..., : min(T, 1), :], None)
+    else:
+        fq, fk = features(q, k, mask)
     S, z = check_state(
         inputs, initial_state, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
     )
+    decay = check_log_decay(inputs, log_decay, length=T, d_phi=fq.shape[-1], mask=mask)
     xp = inputs.xp
+    options = {"eps": eps, "log_decay": decay, "normalize": normalize}
     if method == "chunked":
-        out, S, z = causal_chunked(xp, features, v, S, z, chunk_size=chunk_size, eps=eps)
+        out, S, z = causal_chunked(
+            xp, features, q, k, v, S, z, mask=mask, chunk_size=chunk_size, **options
+        )
     elif method == "recurrent":
-        out, S, z = causal_recurrent(xp, fq, fk, v, S, z, eps=eps)
+        out, S, z = causal_recurrent(xp, fq, fk, v, S, z, **options)
     else:
-        out, S, z = quadratic(xp, fq, fk, v, S, z, causal=True, eps=eps)
+        out, S, z = quadratic(xp, fq, fk, v, S, z, causal=True, **options)
     out = finish(inputs, out, mask)
     return (out, LinearAttentionState(S, z)) if return_state else out
 
