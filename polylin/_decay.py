@@ -18,7 +18,7 @@ import array_api_compat
 
 from ._validation import AttentionInputs, namespace_of
 
-__all__ = ["check_log_decay", "pack_log_decay"]
+__all__ = ["check_log_decay", "check_normalize", "pack_log_decay"]
 
 
 def check_log_decay(
@@ -96,3 +96,9 @@ def pack_log_decay(xp: Any, decay: Any | None, pack: Any) -> Any | None:
     if decay.shape[-2] == 1:
         return decay[..., None, :, :]
     return pack(decay)
+
+
+def check_normalize(normalize: Any) -> None:
+    """``normalize`` must be a bool (an array or a string would be truthy by accident)."""
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be True or False, got {type(normalize).__name__}")

@@ -7,7 +7,7 @@ from itertools import pairwise
 from typing import Any
 
 from ._chunked import causal_chunked
-from ._decay import check_log_decay, pack_log_decay
+from ._decay import check_log_decay, check_normalize, pack_log_decay
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import apply_feature_map, finish
 from ._quadratic import quadratic
@@ -124,6 +124,7 @@ def causal_linear_attention(
     """
     inputs = check_qkv(q, k, v, causal=True)
     check_options(eps=eps, chunk_size=chunk_size)
+    check_normalize(normalize)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if cu_seqlens is not None:
@@ -192,6 +193,7 @@ def linear_attention(
     *,
     eps: float = DEFAULT_EPS,
     attention_mask: Any | None = None,
+    normalize: bool = True,
 ) -> Any:
     """Non-causal linear attention: every query attends to every key.
 
@@ -213,6 +215,8 @@ def linear_attention(
     attention_mask : array of bool, optional
         ``(..., T_k)``, True for real keys; masked keys add to neither S nor z. When
         ``T_q == T_k`` (self-attention) the outputs at masked positions are also zero.
+    normalize : bool
+        Divide by ``phi(q_i) . z + eps``; ``False`` returns ``phi(q_i) S`` (``eps`` unused).
 
     Returns
     -------
@@ -241,6 +245,7 @@ def linear_attention(
     """
     inputs = check_qkv(q, k, v, causal=False)
     check_options(eps=eps)
+    check_normalize(normalize)
     xp = inputs.xp
     fq, fk = apply_feature_map(inputs, feature_map, q, k)
     v = inputs.to_work_dtype(v)
@@ -250,8 +255,10 @@ def linear_attention(
         fk = fk * mask
         query_mask = mask if q.shape[-2] == k.shape[-2] else None
     S = xp.matmul(xp.matrix_transpose(fk), v)
-    z = xp.sum(fk, axis=-2)
-    out = xp.matmul(fq, S) / (xp.matmul(fq, z[..., None]) + eps)
+    out = xp.matmul(fq, S)
+    if normalize:
+        z = xp.sum(fk, axis=-2)
+        out = out / (xp.matmul(fq, z[..., None]) + eps)
     return finish(inputs, out, query_mask)
 
 
@@ -264,11 +271,15 @@ def masked_kernel_attention(
     *,
     causal: bool = True,
     eps: float = DEFAULT_EPS,
+    log_decay: Any | None = None,
+    normalize: bool = True,
 ) -> Any:
     """The quadratic reference: ``A = tril(phi(Q) phi(K)^T)``, ``O = A V / (A 1 + eps)``.
 
     Exact and simple, O(T^2) time and memory: use it to check the linear forms and for short
-    sequences. ``causal=False`` drops the mask (then ``T_q`` may differ from ``T_k``).
+    sequences. ``causal=False`` drops the mask (then ``T_q`` may differ from ``T_k``). With
+    ``log_decay`` the scores are ``A_ts = sum_c phi(q_t)_c phi(k_s)_c exp(sum_{s<r<=t} g_rc)``
+    for ``s <= t`` (causal only; see :doc:`/decay`).
 
     Parameters
     ----------
@@ -282,6 +293,10 @@ def masked_kernel_attention(
         Apply the lower-triangular mask (query t sees keys s <= t).
     eps : float
         Added to the row sums ``A 1``; must be > 0.
+    log_decay : float or array, optional
+        Log decay ``g_t <= 0``, as in :func:`causal_linear_attention`; needs ``causal=True``.
+    normalize : bool
+        Divide by ``A 1 + eps``; ``False`` returns ``A V``.
 
     Returns
     -------
@@ -293,7 +308,7 @@ def masked_kernel_attention(
     TypeError
         Arrays from different libraries, non-floating dtypes.
     ValueError
-        Mismatched shapes or devices, ``eps <= 0``.
+        Mismatched shapes or devices, ``eps <= 0``, ``log_decay`` with ``causal=False``.
 
     Examples
     --------
@@ -308,8 +323,14 @@ def masked_kernel_attention(
     """
     inputs = check_qkv(q, k, v, causal=causal)
     check_options(eps=eps)
+    check_normalize(normalize)
+    if log_decay is not None and not causal:
+        raise ValueError("log_decay needs causal=True (a decay runs forward in time)")
     fq, fk = apply_feature_map(inputs, feature_map, q, k)
     v = inputs.to_work_dtype(v)
     S, z = check_state(inputs, None, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="state")
-    out, _, _ = quadratic(inputs.xp, fq, fk, v, S, z, causal=causal, eps=eps)
+    decay = check_log_decay(inputs, log_decay, length=k.shape[-2], d_phi=fq.shape[-1])
+    out, _, _ = quadratic(
+        inputs.xp, fq, fk, v, S, z, causal=causal, eps=eps, log_decay=decay, normalize=normalize
+    )
     return finish(inputs, out, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._decay import check_log_decay, check_normalize
 from ._policy import DEFAULT_EPS
 from ._prepare import apply_feature_map, finish
 from ._recurrent import recurrent_step
@@ -23,6 +24,8 @@ def step(
     feature_map: FeatureMap | None = None,
     *,
     eps: float = DEFAULT_EPS,
+    log_decay: Any | None = None,
+    normalize: bool = True,
 ) -> tuple[Any, LinearAttentionState]:
     """Attend one new token: update the state with ``(k_t, v_t)`` and read it with ``q_t``.
 
@@ -44,6 +47,12 @@ def step(
         the state was built with.
     eps : float
         Added to the normalizer; must be > 0.
+    log_decay : float or array, optional
+        Log decay ``g_t <= 0`` of this token: the state decays by ``exp(g_t)`` before the
+        token is added. A float or an array broadcasting against ``(..., d_phi)`` (trailing 1:
+        a scalar gate, ``d_phi``: per channel); see :doc:`/decay`.
+    normalize : bool
+        Divide by ``phi(q_t) . z_t + eps``; ``False`` returns ``phi(q_t) S_t``.
 
     Returns
     -------
@@ -76,8 +85,12 @@ def step(
     """
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
     check_options(eps=eps)
+    check_normalize(normalize)
     fq, fk = apply_feature_map(inputs, feature_map, q_t, k_t)
     v_t = inputs.to_work_dtype(v_t)
     S, z = check_state(inputs, state, inputs.batch_shape, fq.shape[-1], v_t.shape[-1], name="state")
-    o_t, S, z = recurrent_step(inputs.xp, fq, fk, v_t, S, z, eps)
+    decay = check_log_decay(inputs, log_decay, length=None, d_phi=fq.shape[-1])
+    o_t, S, z = recurrent_step(
+        inputs.xp, fq, fk, v_t, S, z, eps, log_decay=decay, normalize=normalize
+    )
     return finish(inputs, o_t, None), LinearAttentionState(S, z)
