@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from array_api_compat import device
 
@@ -120,17 +120,43 @@ def causal_chunked(
     if channels:  # the diagonal sub-blocks hold SUB_CHUNK values per feature and token
         token_bytes *= 1 + min(chunk, SUB_CHUNK) // 2
     block = block_tokens(eager, T, chunk, token_bytes)
-    causal = causal_mask(xp, chunk, chunk, dev)
+    masks = _Masks.make(xp, chunk, channels, v.dtype, dev)
     outputs = []
     pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))
     for q_b, k_b, v_b, mask_b, decay_b in zip(*pieces):
         fq, fk = features(q_b, k_b, mask_b)
         out, state = _block(
-            xp, fq, fk, v_b, decay_b, state, causal, eps=eps, normalize=normalize, chained=eager
+            xp, fq, fk, v_b, decay_b, state, masks, eps=eps, normalize=normalize, chained=eager
         )
         outputs.append(out)
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
     return out, state[..., :d_v], state[..., d_v]
+
+
+class _Masks(NamedTuple):
+    """The constant masks of one call, made once (not per block)."""
+
+    causal: Any  # (C, C) bool: s <= t
+    sub_causal: Any = None  # (c, c) bool, per-channel decay only
+    segments: Any = None  # (c, c * c) 0/1: segment_sum_matrix transposed
+    earlier: Any = None  # (m, m) bool: j < i, sub-chunks
+    same: Any = None  # (m, m) bool: i == j
+
+    @classmethod
+    def make(cls, xp: Any, chunk: int, channels: bool, dtype: Any, dev: Any) -> _Masks:
+        causal = causal_mask(xp, chunk, chunk, dev)
+        if not channels:
+            return cls(causal)
+        sub = min(chunk, SUB_CHUNK)
+        m = chunk // sub
+        index = xp.arange(m, device=dev)
+        return cls(
+            causal,
+            causal_mask(xp, sub, sub, dev),
+            xp.matrix_transpose(segment_sum_matrix(xp, sub, dtype, dev)),
+            causal_mask(xp, m, m, dev, strict=True),
+            index[:, None] == index[None, :],
+        )
 
 
 def _block(
@@ -140,7 +166,7 @@ def _block(
     v: Any,
     log_decay: Any | None,
     state: Any,
-    causal: Any,
+    masks: _Masks,
     *,
     eps: float,
     normalize: bool,
@@ -149,6 +175,7 @@ def _block(
     """Outputs of one block of tokens and the state after it (``state`` has the ones column)."""
     *batch, length, d_v = v.shape
     d_phi = fq.shape[-1]
+    causal = masks.causal
     chunk = causal.shape[-1]
     n_chunks = -(-length // chunk)
     padded = n_chunks * chunk
@@ -179,7 +206,7 @@ def _block(
         if width == 1:
             scores = _scalar_gate_scores(xp, Q, K, G, causal)
         else:
-            scores = _channel_gate_scores(xp, Q, K, G)
+            scores = _channel_gate_scores(xp, Q, K, G, masks)
         out = xp.matmul(Q * xp.exp(before), states) + xp.matmul(scores, V)
     out = xp.reshape(out, (*batch, padded, d_v + 1))
     if padded != length:
@@ -213,13 +240,27 @@ def _segment_sums(xp: Any, G: Any, axis: int) -> Any:
     return xp.cumulative_sum(terms, axis=axis - 1)
 
 
+def segment_sum_matrix(xp: Any, length: int, dtype: Any, dev: Any) -> Any:
+    """``(length * length, length)`` 0/1 matrix M with ``(M g)[t * length + s] = sum_{s<r<=t} g_r``.
+
+    Row ``(t, s)`` selects the tokens r with ``s < r <= t`` (no token where ``t <= s``): every
+    entry of the product is a sum of its own terms only (adding exact zeros), as precise as
+    a segment sum and computed as one matrix multiplication.
+    """
+    t = xp.arange(length, device=dev)[:, None, None]
+    s = xp.arange(length, device=dev)[None, :, None]
+    r = xp.arange(length, device=dev)[None, None, :]
+    selected = (s < r) & (r <= t)
+    return xp.astype(xp.reshape(selected, (length * length, length)), dtype)
+
+
 def _scalar_gate_scores(xp: Any, Q: Any, K: Any, G: Any, causal: Any) -> Any:
     """``where(s <= t, (q_t . k_s) exp(sum_{s<r<=t} g_r), 0)`` for a scalar gate per token."""
     decay = xp.exp(_segment_sums(xp, G[..., 0], axis=-1))  # (..., n, C, C), in (0, 1]
     return xp.where(causal, xp.matmul(Q, xp.matrix_transpose(K)) * decay, 0.0)
 
 
-def _channel_gate_scores(xp: Any, Q: Any, K: Any, G: Any) -> Any:
+def _channel_gate_scores(xp: Any, Q: Any, K: Any, G: Any, masks: _Masks) -> Any:
     """``A_ts = sum_c q_tc k_sc exp(sum_{s<r<=t} g_rc)`` for ``s <= t``, one gate per channel.
 
     The chunk is cut into ``m`` sub-chunks of ``c`` tokens. For a query in sub-chunk i and a key
@@ -231,16 +272,20 @@ def _channel_gate_scores(xp: Any, Q: Any, K: Any, G: Any) -> Any:
     *lead, n, chunk, d_phi = Q.shape
     sub = min(chunk, SUB_CHUNK)
     m = chunk // sub
-    dev = device(Q)
     g_lead = G.shape[:-3]
     width = G.shape[-1]
     Gs = xp.reshape(G, (*g_lead, n, m, sub, width))
     Qs = xp.reshape(Q, (*lead, n, m, sub, d_phi))
     Ks = xp.reshape(K, (*lead, n, m, sub, d_phi))
-    # Diagonal sub-blocks: (..., n, m, c(t), c(s), d) decays, each a sum of its own terms.
-    within = xp.exp(_segment_sums(xp, Gs, axis=-2))
-    diagonal = xp.sum(Qs[..., :, None, :] * within * Ks[..., None, :, :], axis=-1)
-    diagonal = xp.where(causal_mask(xp, sub, sub, dev), diagonal, 0.0)  # (..., n, m, c, c)
+    # Diagonal sub-blocks: (..., n, m, d, c(t), c(s)) decays, each a sum of its own terms,
+    # computed for every sub-chunk and channel by one 2-D matmul with a constant 0/1 matrix
+    # (``segment_sum_matrix``): a GEMM instead of a cumulative sum over a middle axis.
+    rows = xp.reshape(xp.matrix_transpose(Gs), (-1, sub))  # (... * n * m * w, c)
+    segments = xp.matmul(rows, masks.segments)
+    within = xp.exp(xp.reshape(segments, (*g_lead, n, m, width, sub, sub)))
+    Qt, Kt = xp.matrix_transpose(Qs), xp.matrix_transpose(Ks)  # (..., n, m, d, c)
+    diagonal = xp.sum(within * Kt[..., :, None, :] * Qt[..., :, :, None], axis=-3)
+    diagonal = xp.where(masks.sub_causal, diagonal, 0.0)  # (..., n, m, c, c)
     if m == 1:
         return xp.reshape(diagonal, (*lead, n, chunk, chunk))
     # Off-diagonal: key s in sub-chunk j < i carries sum_{s<r<i*c} g_r = (rest of j) + (whole
@@ -248,22 +293,20 @@ def _channel_gate_scores(xp: Any, Q: Any, K: Any, G: Any) -> Any:
     rest = _sum_after(xp, Gs)  # (..., n, m(j), c, w)
     totals = xp.sum(Gs, axis=-2)  # (..., n, m, w)
     between = xp.where(
-        causal_mask(xp, m, m, dev, strict=True)[:, :, None],  # m > j
+        masks.earlier[:, :, None],  # m > j
         totals[..., :, None, :],
         0.0,
     )  # (..., n, m(m), m(j), w)
     between = xp.cumulative_sum(between, axis=-3, include_initial=True)[..., :-1, :, :]
     # between[i, j] = sum_{j < m' < i} totals_m' for j < i (0 otherwise)
-    earlier = causal_mask(xp, m, m, dev, strict=True)[:, :, None, None]  # j < i
+    earlier = masks.earlier[:, :, None, None]  # j < i
     exponent = xp.where(earlier, between[..., :, :, None, :] + rest[..., None, :, :, :], 0.0)
     keys = xp.where(earlier, Ks[..., None, :, :, :] * xp.exp(exponent), 0.0)
     keys = xp.reshape(keys, (*lead, n, m, chunk, d_phi))  # (..., n, m(i), C(s), d)
     queries = Qs * xp.exp(xp.cumulative_sum(Gs, axis=-2))  # decay from the sub-chunk start
     off = xp.matmul(queries, xp.matrix_transpose(keys))  # (..., n, m, c, C)
     # Place the diagonal sub-blocks: block (i, i) of the (m, c, m, c) layout.
-    same = (xp.arange(m, device=dev)[:, None] == xp.arange(m, device=dev)[None, :])[
-        :, None, :, None
-    ]
+    same = masks.same[:, None, :, None]
     off = xp.reshape(off, (*lead, n, m, sub, m, sub))
     scores = xp.where(same, diagonal[..., :, :, None, :], off)
     return xp.reshape(scores, (*lead, n, chunk, chunk))
