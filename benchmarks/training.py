@@ -76,17 +76,18 @@ def torch_training(lengths, dims, repeats):
             torch.manual_seed(0)
             q, k, v = (torch.randn(BATCH_HEADS, T, d, requires_grad=True) for _ in range(3))
 
-            def fwd_bwd(fn):
+            def fwd_bwd(fn, xs=(q, k, v)):
                 def run():
-                    fn(q, k, v).sum().backward()
-                    q.grad = k.grad = v.grad = None
+                    fn(*xs).sum().backward()
+                    for x in xs:
+                        x.grad = None
 
                 return run
 
-            def fwd(fn):
+            def fwd(fn, xs=(q, k, v)):
                 def run():
                     with torch.no_grad():
-                        fn(q, k, v)
+                        fn(*xs)
 
                 return run
 
@@ -193,12 +194,12 @@ def decay(repeats, lengths=(4096, 16384)):
         g_scalar = (-torch.rand(BATCH_HEADS, T, 1)).requires_grad_(True)
         g_channel = (-torch.rand(BATCH_HEADS, T, 64)).requires_grad_(True)
 
-        def fwd_bwd(g):
+        def fwd_bwd(g, xs=(q, k, v)):
             def run():
-                causal_linear_attention(q, k, v, log_decay=g, normalize=False).sum().backward()
-                q.grad = k.grad = v.grad = None
-                if g is not None:
-                    g.grad = None
+                causal_linear_attention(*xs, log_decay=g, normalize=False).sum().backward()
+                for x in (*xs, g):
+                    if x is not None:
+                        x.grad = None
 
             return run
 
@@ -211,9 +212,7 @@ def decay(repeats, lengths=(4096, 16384)):
         training.append(row)
     if len(training) == 2:
         growth = {
-            f"{n}_16k_over_4k": round(
-                training[1][f"fwd_bwd_{n}"] / training[0][f"fwd_bwd_{n}"], 2
-            )
+            f"{n}_16k_over_4k": round(training[1][f"fwd_bwd_{n}"] / training[0][f"fwd_bwd_{n}"], 2)
             for n in ("none", "scalar", "channel")
         }
         print(json.dumps(growth), flush=True)
