@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -117,10 +116,20 @@ def _memory_child(candidate: str, T: int) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, T, 64, requires_grad=True) for _ in range(3))
     fn = {"polylin": causal_linear_attention, "plain": plain_chunked_torch}[candidate]
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn(q[:, :4096], k[:, :4096], v[:, :4096]).sum().backward()  # warm up the libraries
+    q.grad = k.grad = v.grad = None
+    # Reset the resident-set high-water mark (Linux): the peak then covers this call only.
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _status_kib("VmRSS")
     fn(q, k, v).sum().backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print((peak - base) * 1024)
+    print((_status_kib("VmHWM") - base) * 1024)
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def peak_memory(T=65536):
