@@ -149,20 +149,18 @@ def test_jax_grad_matches_torch(backend):
 
 
 # -- decay and gating: gradients wrt q, k, v, log_decay, the initial state, map parameters -----
-DECAYS = {
-    "head": lambda g: -torch.rand((2, 1, 1), generator=g, dtype=torch.float64),
-    "token": lambda g: -2 * torch.rand((2, T, 1), generator=g, dtype=torch.float64),
-    "channel": lambda g: -2 * torch.rand((2, T, D_K), generator=g, dtype=torch.float64),
-}
+DECAY_SHAPES = {"head": (2, 1, 1), "token": (2, T, 1), "channel": (2, T, D_K)}
 
 
-@pytest.mark.parametrize("kind", list(DECAYS))
+@pytest.mark.parametrize("kind", list(DECAY_SHAPES))
 @pytest.mark.parametrize("method", polylin.METHODS)
-def test_gradcheck_with_decay(method, kind):
+@pytest.mark.only_backend(Backend.TORCH)
+def test_gradcheck_with_decay(torch, method, kind):
     """Every input of a decayed call, the log decay and the initial state included."""
-    q, k, v = small_inputs(8)
+    q, k, v = small_inputs(torch, 8)
     g = torch.Generator().manual_seed(9)
-    log_decay = DECAYS[kind](g).requires_grad_(True)
+    log_decay = -2 * torch.rand(DECAY_SHAPES[kind], generator=g, dtype=torch.float64)
+    log_decay.requires_grad_(True)
     S0 = torch.rand((2, D_K, D_V), generator=g, dtype=torch.float64, requires_grad=True)
     z0 = torch.rand((2, D_K), generator=g, dtype=torch.float64, requires_grad=True)
 
@@ -177,7 +175,7 @@ def test_gradcheck_with_decay(method, kind):
     assert torch.autograd.gradcheck(f, (q, k, v, log_decay, S0, z0))
 
 
-def _decayed_inputs(seed, T_, kind):
+def _decayed_inputs(torch, seed, T_, kind):
     g = torch.Generator().manual_seed(seed)
     lead, d_k, d_v = (2, 3), 8, 5
     base = [torch.randn((*lead, T_, d), generator=g, dtype=torch.float64) for d in (d_k, d_k, d_v)]
@@ -196,10 +194,11 @@ def _decayed_inputs(seed, T_, kind):
 @pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "unnormalized"])
 @pytest.mark.parametrize("kind", ["head", "token", "channel"])
 @pytest.mark.parametrize("method", ["chunked", "recurrent"])
-def test_torch_decay_gradients_equal_quadratic(method, kind, normalize):
+@pytest.mark.only_backend(Backend.TORCH)
+def test_torch_decay_gradients_equal_quadratic(torch, method, kind, normalize):
     """q, k, v, log_decay, initial state and a trainable feature map's weights: the linear forms'
     gradients equal the quadratic form's to float64 round-off (several chunks, a partial one)."""
-    base, weight = _decayed_inputs(10, 45, kind)
+    base, weight = _decayed_inputs(torch, 10, 45, kind)
 
     def grads(m):
         xs = [x.clone().requires_grad_(True) for x in base]
@@ -220,13 +219,15 @@ def test_torch_decay_gradients_equal_quadratic(method, kind, normalize):
 
 
 @pytest.mark.parametrize("kind", ["token", "channel"])
-def test_jax_decay_gradients_equal_quadratic(kind):
+@pytest.mark.only_backend(Backend.JAX)
+def test_jax_decay_gradients_equal_quadratic(backend, kind):
     """jax.grad under jit wrt q, k, v, log_decay and the initial state: chunked == quadratic."""
-    reason = Backend.JAX.unavailable_reason()
+    import jax
+
+    reason = Backend.TORCH.unavailable_reason()
     if reason is not None:
-        pytest.skip(f"[jax] {reason}")
-    jax = pytest.importorskip("jax")
-    base, weight = _decayed_inputs(11, 40, kind)
+        pytest.skip(f"[torch] {reason} (makes the inputs)")
+    base, weight = _decayed_inputs(Backend.TORCH.module(), 11, 40, kind)
     q, k, v, decay, S0, z0, _ = (Backend.JAX.from_numpy(x.numpy()) for x in base)
     w = Backend.JAX.from_numpy(weight.numpy())
 
@@ -244,7 +245,8 @@ def test_jax_decay_gradients_equal_quadratic(kind):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-10)
 
 
-def test_backward_has_no_full_size_slices():
+@pytest.mark.only_backend(Backend.TORCH)
+def test_backward_has_no_full_size_slices(torch):
     """The chunked backward is linear in T: autograd sees no slice of q, k, v or log_decay per
     block or per chunk (each would allocate and zero a gradient of the whole input). Counted
     in the graph: the slicing nodes whose input has a whole sequence (T rows) are a fixed few,
