@@ -65,6 +65,8 @@ SHAPES = {"float": (29, 8), "head": (29, 8), "token": (29, 8), "channel": (45, 2
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_methods_match_reference(backend, method, kind, normalize, rng):
     T, chunk = SHAPES[kind]
+    if method == "recurrent":  # a Python loop over T: a short sequence is enough
+        T = 11
     q, k, v = inputs(rng, T)
     g = decay_of(kind, rng, T)
     expected, S, z = decayed_loop(elu_plus_one(q), elu_plus_one(k), v, g, normalize=normalize)
@@ -112,7 +114,7 @@ def test_log_decay_zero_is_no_decay(rng):
 @pytest.mark.parametrize("kind", ["head", "channel"])
 def test_split_resume_across_methods(backend, kind, rng):
     """A state from one method continues in every other; initial_state decays like any state."""
-    T, split = 50, 21
+    T, split = 30, 19
     q, k, v = inputs(rng, T)
     g = decay_of(kind, rng, T)
     whole, _, _ = decayed_loop(elu_plus_one(q), elu_plus_one(k), v, g)
@@ -125,14 +127,14 @@ def test_split_resume_across_methods(backend, kind, rng):
     np.testing.assert_allclose(backend.to_numpy(first), whole[..., :split, :], atol=1e-10)
     for method in polylin.METHODS:
         second = causal_linear_attention(
-            *(x[..., split:, :] for x in xs), method=method, chunk_size=16,
+            *(x[..., split:, :] for x in xs), method=method, chunk_size=8,
             log_decay=g_second, initial_state=state,
         )  # fmt: skip
         np.testing.assert_allclose(backend.to_numpy(second), whole[..., split:, :], atol=1e-10)
 
 
 def test_step_continues_chunked_prefill(backend, rng):
-    T, prefill = 24, 17
+    T, prefill = 20, 17
     q, k, v = inputs(rng, T)
     g = decay_of("channel", rng, T)
     for normalize in (True, False):
@@ -164,13 +166,13 @@ def test_step_continues_chunked_prefill(backend, rng):
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_padding_passes_the_state_through(backend, method, kind, rng):
     """A masked token neither adds to the state nor decays it, and its output is 0."""
-    T = 30
+    T = 20
     q, k, v = inputs(rng, T)
     g = decay_of(kind, rng, T)
     mask = np.ones((B, T), dtype=bool)
     mask[0, :9] = False  # left padding
-    mask[1, -7:] = False  # right padding
-    mask[1, 12] = False  # a hole
+    mask[1, -5:] = False  # right padding
+    mask[1, 10] = False  # a hole
     expected, S, z = decayed_loop(
         elu_plus_one(q), elu_plus_one(k), v, g, mask=mask[:, None, :], normalize=False
     )
@@ -210,11 +212,11 @@ def test_cu_seqlens_each_sequence_from_its_own_state(backend, kind, rng):
 
 
 @pytest.mark.parametrize("kind", ["head", "token", "channel"])
-def test_jax_jit(kind, rng):
-    reason = Backend.JAX.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"[jax] {reason}")
-    jax = pytest.importorskip("jax")
+@pytest.mark.only_backend(Backend.JAX)
+@pytest.mark.eager  # jitted here, explicitly
+def test_jax_jit(backend, kind, rng):
+    import jax
+
     T = 45
     q, k, v = inputs(rng, T)
     g = decay_of(kind, rng, T)
@@ -225,20 +227,13 @@ def test_jax_jit(kind, rng):
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-9, atol=1e-10)
 
 
-STRONG = [("torch", "float32"), ("torch", "bfloat16"), ("numpy", "float32"),
-          ("jax", "float32"), ("jax", "bfloat16")]  # fmt: skip
-
-
-@pytest.mark.parametrize(("name", "dtype"), STRONG, ids=[f"{b}-{d}" for b, d in STRONG])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["token", "channel"])
-def test_strong_decay_long_sequence(name, dtype, kind):
+@pytest.mark.only_backend(Backend.NUMPY, Backend.TORCH, Backend.JAX)
+def test_strong_decay_long_sequence(backend, dtype, kind):
     """T = 4096, log decays down to -30 per token, with long stretches of no decay in between
     (where cumulative sums would cancel): every exponent stays <= 0 and the accuracy is that of
     the dtype. The reference sees the same dtype-rounded inputs."""
-    backend = Backend(name)
-    reason = backend.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"[{backend}] {reason}")
     rng = np.random.default_rng(30)
     T, d = 4096, 8
     q, k, v = (rounded(rng.standard_normal((2, T, d)), dtype) for _ in range(3))
