@@ -18,7 +18,7 @@ import array_api_compat
 
 from ._validation import AttentionInputs, namespace_of
 
-__all__ = ["check_log_decay", "check_normalize", "pack_log_decay"]
+__all__ = ["check_log_decay", "check_normalize", "pack_log_decay", "standard_log_decay"]
 
 
 def check_log_decay(
@@ -102,3 +102,16 @@ def check_normalize(normalize: Any) -> None:
     """``normalize`` must be a bool (an array or a string would be truthy by accident)."""
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be True or False, got {type(normalize).__name__}")
+
+
+def standard_log_decay(layout: Any, log_decay: Any) -> Any:
+    """``log_decay`` in the standard layout ``(..., T, d)`` of ``layout`` (``_layout``).
+
+    In the default layout it is returned as given (it may have fewer dimensions and broadcast);
+    with another ``seq_axis`` an array must have the full rank of ``q`` and its time axis is
+    moved like the inputs' (``to_standard`` names ``log_decay`` if the rank differs).
+    """
+    if layout.is_standard or not array_api_compat.is_array_api_obj(log_decay):
+        return log_decay
+    (moved,) = layout.to_standard(log_decay=log_decay)
+    return moved

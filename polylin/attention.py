@@ -7,13 +7,21 @@ from itertools import pairwise
 from typing import Any
 
 from ._chunked import causal_chunked
-from ._decay import check_log_decay, check_normalize, pack_log_decay
+from ._decay import check_log_decay, check_normalize, pack_log_decay, standard_log_decay
+from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
-from ._prepare import apply_feature_map, finish
+from ._prepare import apply_feature_map, finish, select
 from ._quadratic import quadratic
 from ._recurrent import causal_recurrent
 from ._state import LinearAttentionState
-from ._validation import check_cu_seqlens, check_mask, check_options, check_qkv, check_state
+from ._validation import (
+    check_cu_seqlens,
+    check_mask,
+    check_method,
+    check_options,
+    check_qkv,
+    check_state,
+)
 from ._varlen import length_mask, pack, unpack
 
 __all__ = [
@@ -43,6 +51,7 @@ def causal_linear_attention(
     return_state: bool = False,
     attention_mask: Any | None = None,
     cu_seqlens: Sequence[int] | None = None,
+    seq_axis: int = DEFAULT_SEQ_AXIS,
     log_decay: Any | None = None,
     normalize: bool = True,
 ) -> Any:
@@ -56,38 +65,52 @@ def causal_linear_attention(
     Parameters
     ----------
     q, k : array
-        Queries and keys, shape ``(..., T, d_k)``, any number of leading batch/head dimensions.
+        Queries and keys, shape ``(..., T, d_k)``, any number of leading batch/head dimensions
+        (with ``seq_axis``, T may sit on another axis: ``(B, T, H, d_k)`` with ``seq_axis=1``).
     v : array
         Values, shape ``(..., T, d_v)``, the same leading dimensions and dtype.
     feature_map : callable, optional
         Positive feature map applied to ``q`` and ``k``; default
         :func:`polylin.feature_maps.elu_plus_one`. If it has a ``map_query`` method, that maps the
         queries (any per-query scale cancels in the normalization; see
-        :func:`polylin.feature_maps.favor_plus`).
+        :func:`polylin.feature_maps.favor_plus`). It must return a real floating array of the
+        inputs' library, ``(..., d_phi)``, and act on each token alone.
     method : {"chunked", "recurrent", "quadratic"}
         ``"chunked"``: the parallel chunkwise form, O(T C d + T d_k d_v), never a T x T matrix.
         ``"recurrent"``: one state update per token, O(d_k d_v) memory. ``"quadratic"``: the
         masked kernel form, O(T^2).
     chunk_size : int
-        Chunk length C of the chunked form (T need not be a multiple of it).
+        Chunk length C of the chunked form (T need not be a multiple of it); any integer >= 1
+        (checked for every method).
     eps : float
-        Added to the normalizer ``phi(q_t) . z_t``; must be > 0.
+        Added to the normalizer ``phi(q_t) . z_t``; any real number that is positive and finite
+        in the work dtype (at least its smallest normal number: ``1.2e-38`` for float32).
     initial_state : LinearAttentionState, optional
-        State ``(S, z)`` to continue from, shapes ``(..., d_phi, d_v)`` and ``(..., d_phi)``.
-        With ``cu_seqlens`` there is one per sequence: ``(..., N, d_phi, d_v)``.
+        State ``(S, z)`` to continue from, shapes ``(..., d_phi, d_v)`` and ``(..., d_phi)``
+        (``...``: the inputs' leading dimensions without T), in the work dtype. With
+        ``cu_seqlens`` there is one per sequence: ``(..., N, d_phi, d_v)``.
     return_state : bool
         Also return the state after the last token.
     attention_mask : array of bool, optional
-        ``(..., T)``, True for real tokens, broadcastable to ``q.shape[:-1]``. Masked keys add to
-        neither S nor z; outputs at masked positions are exactly zero. Left or right padding.
+        True for real tokens. A 2-D ``(batch, T)`` mask (what a tokenizer returns) always means
+        the first leading axis and the time axis, for any layout and number of head axes; any
+        other mask has the shape of ``q`` without its feature axis (size-1 axes broadcast), in
+        the inputs' layout. Masked positions are selected away, never multiplied: whatever
+        ``q``, ``k``, ``v`` hold there (NaN, inf), they add to neither S nor z, real outputs
+        are those without them, and masked outputs are exactly zero. Left or right padding.
     cu_seqlens : sequence of int, optional
         Offsets ``[0, l1, l1 + l2, ..., T]`` of packed independent sequences along the T axis.
+    seq_axis : int
+        The axis of T in ``q``, ``k`` and ``v`` (default -2: ``(..., T, d)``); ``seq_axis=1``
+        takes ``(batch, T, heads, d)``. The output keeps the input layout; the state's leading
+        dimensions are the inputs' without T and the feature axis.
     log_decay : float or array, optional
         Log of the decay factor ``g_t <= 0``: a float (one decay everywhere) or an array that
         broadcasts against the mapped keys ``(..., T, d_phi)``, with a trailing axis of 1 (one
         gate per token, e.g. ``(heads, 1, 1)`` for a fixed decay per head) or ``d_phi`` (one
-        per feature channel). Positive values (growth) are outside the contract. Gradients
-        flow to it.
+        per feature channel). With ``seq_axis`` other than -2 an array has the full rank of
+        ``q``, in the inputs' layout. Positive values (growth) are outside the contract.
+        Gradients flow to it.
     normalize : bool
         Divide by the normalizer ``phi(q_t) . z_t + eps``; ``False`` returns the numerator
         ``phi(q_t) S_t`` (RetNet, GLA and Mamba-2 do not normalize; ``eps`` is then unused).
@@ -96,15 +119,28 @@ def causal_linear_attention(
     Returns
     -------
     array or (array, LinearAttentionState)
-        The output, shape ``(..., T, d_v)``, same library, device and dtype as ``q``; with
-        ``return_state`` also the final state (float32 for 16-bit inputs).
+        The output, the shape of ``q`` with ``d_v`` features, same library, device and dtype as
+        ``q``; with ``return_state`` also the final state (float32 for 16-bit inputs).
 
     Raises
     ------
     TypeError
-        Arrays from different libraries, non-floating dtypes, a non-callable feature map.
+        Arrays from different libraries, non-floating dtypes, unsupported arrays (NumPy masked
+        arrays, ml_dtypes dtypes, sparse tensors), a non-callable feature map or one returning
+        another library or a complex array, a state of another dtype, options of the wrong type
+        or traced under ``jax.jit`` (they must be static).
     ValueError
-        Mismatched shapes or devices, an unknown method, ``chunk_size < 1``, ``eps <= 0``.
+        Mismatched shapes or devices, a mask that fits neither mask rule, an unknown method,
+        ``chunk_size < 1``, ``eps`` not positive and finite in the work dtype.
+
+    Notes
+    -----
+    Non-finite values: a NaN or inf in an *unmasked* query or key at position t never changes
+    an output before t (all methods). A non-finite *value* ``v_t`` does reach earlier outputs
+    through a matrix product (``0 * nan`` is NaN): in the chunked form the outputs from the
+    start of t's chunk (``t - t % chunk_size``), in the quadratic form all outputs; only the
+    recurrent form keeps every output before t. See the documentation page "Numerics and
+    non-finite values".
 
     Examples
     --------
@@ -122,45 +158,48 @@ def causal_linear_attention(
     >>> bool(np.allclose(out, ref))
     True
     """
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
+    log_decay = standard_log_decay(layout, log_decay)
     inputs = check_qkv(q, k, v, causal=True)
-    check_options(eps=eps, chunk_size=chunk_size)
+    eps, chunk_size = check_options(eps=eps, chunk_size=chunk_size, inputs=inputs)
+    check_method(method, METHODS)
     check_normalize(normalize)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    xp = inputs.xp
+    T = q.shape[-2]
     if cu_seqlens is not None:
         if attention_mask is not None:
             raise ValueError("pass attention_mask or cu_seqlens, not both")
-        offsets = check_cu_seqlens(cu_seqlens, q.shape[-2])
+        offsets = check_cu_seqlens(cu_seqlens, T)
         max_len = max(b - a for a, b in pairwise(offsets))
-        decay = check_log_decay(inputs, log_decay, length=q.shape[-2], d_phi=None)
+        lengths = length_mask(xp, offsets, max_len, inputs.device)
+        decay = check_log_decay(inputs, log_decay, length=T, d_phi=None)
         out, state = causal_linear_attention(
-            *(pack(inputs.xp, x, offsets, max_len) for x in (q, k, v)),
+            *(pack(xp, x, offsets, max_len) for x in (q, k, v)),
             feature_map,
             method=method,
             chunk_size=chunk_size,
             eps=eps,
             initial_state=initial_state,
             return_state=True,
-            attention_mask=length_mask(inputs.xp, offsets, max_len, inputs.device),
-            log_decay=pack_log_decay(
-                inputs.xp, decay, lambda x: pack(inputs.xp, x, offsets, max_len)
-            ),
+            # full rank: with head axes a 2-D mask would mean (batch, T)
+            attention_mask=xp.reshape(lengths, (*[1] * len(inputs.batch_shape), *lengths.shape)),
+            log_decay=pack_log_decay(xp, decay, lambda x: pack(xp, x, offsets, max_len)),
             normalize=normalize,
         )
-        out = unpack(inputs.xp, out, offsets)
+        out = layout.restore(unpack(xp, out, offsets))
         return (out, state) if return_state else out
 
+    mask = None if attention_mask is None else check_mask(inputs, attention_mask, T, layout)
+    # Padding may hold anything (uninitialized memory): select it away before any arithmetic.
+    q, k, v = (select(xp, mask, x) for x in (q, k, v))
     v = inputs.to_work_dtype(v)
-    mask = None
-    if attention_mask is not None:
-        mask = check_mask(inputs, attention_mask, q.shape[-2])
 
     def features(q: Any, k: Any, mask: Any | None) -> tuple[Any, Any]:
         # A feature map acts on each token alone, so the chunked form maps block by block.
         fq, fk = apply_feature_map(inputs, feature_map, q, k)
-        return fq, (fk if mask is None else fk * mask)
+        # phi(0) is not 0: masked keys are selected away again after the map.
+        return fq, select(xp, mask, fk)
 
-    T = q.shape[-2]
     # The chunked form maps its own blocks: there a one-token probe gives the feature size.
     if method == "chunked":
         fq, fk = features(q[..., : min(T, 1), :], k[..., : min(T, 1), :], None)
@@ -170,7 +209,8 @@ def causal_linear_attention(
         inputs, initial_state, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
     )
     decay = check_log_decay(inputs, log_decay, length=T, d_phi=fq.shape[-1], mask=mask)
-    xp = inputs.xp
+    if T == 0:  # the new state must not be the caller's own arrays
+        S, z = xp.asarray(S, copy=True), xp.asarray(z, copy=True)
     options = {"eps": eps, "log_decay": decay, "normalize": normalize}
     if method == "chunked":
         out, S, z = causal_chunked(
@@ -180,7 +220,7 @@ def causal_linear_attention(
         out, S, z = causal_recurrent(xp, fq, fk, v, S, z, **options)
     else:
         out, S, z = quadratic(xp, fq, fk, v, S, z, causal=True, **options)
-    out = finish(inputs, out, mask)
+    out = layout.restore(finish(inputs, out, mask))
     return (out, LinearAttentionState(S, z)) if return_state else out
 
 
@@ -193,6 +233,7 @@ def linear_attention(
     *,
     eps: float = DEFAULT_EPS,
     attention_mask: Any | None = None,
+    seq_axis: int = DEFAULT_SEQ_AXIS,
     normalize: bool = True,
 ) -> Any:
     """Non-causal linear attention: every query attends to every key.
@@ -211,10 +252,14 @@ def linear_attention(
     feature_map : callable, optional
         Positive feature map; default :func:`polylin.feature_maps.elu_plus_one`.
     eps : float
-        Added to the normalizer; must be > 0.
+        Added to the normalizer; positive and finite in the work dtype.
     attention_mask : array of bool, optional
-        ``(..., T_k)``, True for real keys; masked keys add to neither S nor z. When
-        ``T_q == T_k`` (self-attention) the outputs at masked positions are also zero.
+        True for real keys: ``(batch, T_k)``, or the shape of ``k`` without its feature axis
+        (size-1 axes broadcast), as for :func:`causal_linear_attention`. Masked keys and values
+        add to neither S nor z whatever they hold. When ``T_q == T_k`` (self-attention) the
+        outputs at masked positions are also exactly zero.
+    seq_axis : int
+        The axis of T in ``q``, ``k`` and ``v`` (default -2); the output keeps the layout.
     normalize : bool
         Divide by ``phi(q_i) . z + eps``; ``False`` returns ``phi(q_i) S`` (``eps`` unused).
 
@@ -228,7 +273,7 @@ def linear_attention(
     TypeError
         Arrays from different libraries, non-floating dtypes.
     ValueError
-        Mismatched shapes or devices, ``eps <= 0``.
+        Mismatched shapes or devices, ``eps`` not positive and finite in the work dtype.
 
     Examples
     --------
@@ -243,23 +288,25 @@ def linear_attention(
            [1., 1.],
            [1., 1.]])
     """
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=False)
-    check_options(eps=eps)
+    eps, _ = check_options(eps=eps, inputs=inputs)
     check_normalize(normalize)
     xp = inputs.xp
-    fq, fk = apply_feature_map(inputs, feature_map, q, k)
-    v = inputs.to_work_dtype(v)
-    query_mask = None
+    mask = query_mask = None
     if attention_mask is not None:
-        mask = check_mask(inputs, attention_mask, k.shape[-2])
-        fk = fk * mask
+        mask = check_mask(inputs, attention_mask, k.shape[-2], layout)
         query_mask = mask if q.shape[-2] == k.shape[-2] else None
+    k, v = select(xp, mask, k), select(xp, mask, v)
+    fq, fk = apply_feature_map(inputs, feature_map, select(xp, query_mask, q), k)
+    fk = select(xp, mask, fk)
+    v = inputs.to_work_dtype(v)
     S = xp.matmul(xp.matrix_transpose(fk), v)
     out = xp.matmul(fq, S)
     if normalize:
         z = xp.sum(fk, axis=-2)
         out = out / (xp.matmul(fq, z[..., None]) + eps)
-    return finish(inputs, out, query_mask)
+    return layout.restore(finish(inputs, out, query_mask))
 
 
 def masked_kernel_attention(
@@ -271,6 +318,7 @@ def masked_kernel_attention(
     *,
     causal: bool = True,
     eps: float = DEFAULT_EPS,
+    seq_axis: int = DEFAULT_SEQ_AXIS,
     log_decay: Any | None = None,
     normalize: bool = True,
 ) -> Any:
@@ -292,7 +340,9 @@ def masked_kernel_attention(
     causal : bool
         Apply the lower-triangular mask (query t sees keys s <= t).
     eps : float
-        Added to the row sums ``A 1``; must be > 0.
+        Added to the row sums ``A 1``; positive and finite in the work dtype.
+    seq_axis : int
+        The axis of T in ``q``, ``k`` and ``v`` (default -2); the output keeps the layout.
     log_decay : float or array, optional
         Log decay ``g_t <= 0``, as in :func:`causal_linear_attention`; needs ``causal=True``.
     normalize : bool
@@ -308,7 +358,8 @@ def masked_kernel_attention(
     TypeError
         Arrays from different libraries, non-floating dtypes.
     ValueError
-        Mismatched shapes or devices, ``eps <= 0``, ``log_decay`` with ``causal=False``.
+        Mismatched shapes or devices, ``eps`` not positive and finite in the work dtype,
+        ``log_decay`` with ``causal=False``.
 
     Examples
     --------
@@ -321,8 +372,10 @@ def masked_kernel_attention(
            [2.],
            [2.]])
     """
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
+    log_decay = standard_log_decay(layout, log_decay)
     inputs = check_qkv(q, k, v, causal=causal)
-    check_options(eps=eps)
+    eps, _ = check_options(eps=eps, inputs=inputs)
     check_normalize(normalize)
     if log_decay is not None and not causal:
         raise ValueError("log_decay needs causal=True (a decay runs forward in time)")
@@ -333,4 +386,4 @@ def masked_kernel_attention(
     out, _, _ = quadratic(
         inputs.xp, fq, fk, v, S, z, causal=causal, eps=eps, log_decay=decay, normalize=normalize
     )
-    return finish(inputs, out, None)
+    return layout.restore(finish(inputs, out, None))
