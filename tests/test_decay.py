@@ -325,3 +325,21 @@ def test_inputs_are_not_modified(rng):
         causal_linear_attention(q, k, v, method=method, log_decay=g, initial_state=state)
     for x, c in zip((q, k, v, g, *state), (*copies, *state_copy)):
         np.testing.assert_array_equal(x, c)
+
+
+def test_log_decay_follows_seq_axis(backend, rng):
+    """With seq_axis=1, (batch, T, heads, d) inputs take a log decay in the same layout."""
+    q, k, v = inputs(rng, 21)
+    g = decay_of("channel", rng, 21)
+    expected, _, _ = decayed_loop(elu_plus_one(q), elu_plus_one(k), v, g)
+    moved = [backend.from_numpy(np.swapaxes(x, 1, 2)) for x in (q, k, v, g)]
+    out = causal_linear_attention(*moved[:3], seq_axis=1, log_decay=moved[3], chunk_size=8)
+    np.testing.assert_allclose(
+        backend.to_numpy(out), np.swapaxes(expected, 1, 2), rtol=1e-9, atol=1e-10
+    )
+
+
+def test_log_decay_with_seq_axis_needs_full_rank(rng):
+    q, k, v = (np.swapaxes(x, 1, 2) for x in inputs(rng, 10))
+    with pytest.raises(ValueError, match="log_decay has 3 dimensions"):
+        causal_linear_attention(q, k, v, seq_axis=1, log_decay=np.zeros((10, H, 1)))
