@@ -10,7 +10,8 @@ either mode of :data:`MODES`:
 
 - ``forward``: the call itself;
 - ``forward+backward``: ``out.sum().backward()`` with PyTorch (fresh leaves, gradients reset
-  before each call), ``jax.grad`` of ``sum(out)`` with JAX; other libraries have no autograd.
+  before each call), ``jax.jit(jax.grad(...))`` of ``sum(out)`` with JAX; other libraries have
+  no autograd.
 
 Adding an implementation is one decorated function (see ``benchmarks/README.md``)::
 
@@ -122,7 +123,8 @@ def make_call(impl: Implementation, setup: Setup, xs: list[Any], mode: str) -> C
     if setup.backend in (Backend.JAX, Backend.JAX_CUDA):
         import jax
 
-        grad = jax.grad(lambda *a: jax.numpy.sum(fn(*a)), argnums=tuple(range(len(xs))))
+        # under jit, as training code runs it (compiled in the untimed warm-up call)
+        grad = jax.jit(jax.grad(lambda *a: jax.numpy.sum(fn(*a)), argnums=tuple(range(len(xs)))))
         return lambda: jax.block_until_ready(grad(*xs))[0]
     raise Skip(f"{setup.backend} has no autograd: forward only")
 

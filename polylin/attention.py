@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import pairwise
-from typing import Any
 
 from ._chunked import causal_chunked
 from ._decay import check_log_decay, check_normalize, pack_log_decay, standard_log_decay
@@ -14,6 +13,7 @@ from ._prepare import apply_feature_map, finish, select
 from ._quadratic import quadratic
 from ._recurrent import causal_recurrent
 from ._state import LinearAttentionState
+from ._typing import Array
 from ._validation import (
     check_cu_seqlens,
     check_mask,
@@ -34,13 +34,13 @@ __all__ = [
 #: The algorithms of :func:`causal_linear_attention`; they compute the same function.
 METHODS = ("chunked", "recurrent", "quadratic")
 
-FeatureMap = Callable[[Any], Any]
+FeatureMap = Callable[[Array], Array]
 
 
 def causal_linear_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Array,
+    k: Array,
+    v: Array,
     /,
     feature_map: FeatureMap | None = None,
     *,
@@ -49,12 +49,12 @@ def causal_linear_attention(
     eps: float = DEFAULT_EPS,
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
-    attention_mask: Any | None = None,
+    attention_mask: Array | None = None,
     cu_seqlens: Sequence[int] | None = None,
     seq_axis: int = DEFAULT_SEQ_AXIS,
-    log_decay: Any | None = None,
+    log_decay: Array | float | None = None,
     normalize: bool = True,
-) -> Any:
+) -> Array | tuple[Array, LinearAttentionState]:
     r"""Causal linear attention: ``o_t = phi(q_t) S_t / (phi(q_t) @ z_t + eps)``.
 
     ``S_t = sum_{s<=t} phi(k_s) v_s^T`` and ``z_t = sum_{s<=t} phi(k_s)``. The three methods
@@ -161,7 +161,8 @@ def causal_linear_attention(
     layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     log_decay = standard_log_decay(layout, log_decay)
     inputs = check_qkv(q, k, v, causal=True)
-    eps, chunk_size = check_options(eps=eps, chunk_size=chunk_size, inputs=inputs)
+    eps, checked_chunk_size = check_options(eps=eps, chunk_size=chunk_size, inputs=inputs)
+    chunk_size = chunk_size if checked_chunk_size is None else checked_chunk_size  # an int
     check_method(method, METHODS)
     check_normalize(normalize)
     xp = inputs.xp
@@ -173,8 +174,11 @@ def causal_linear_attention(
         max_len = max(b - a for a, b in pairwise(offsets))
         lengths = length_mask(xp, offsets, max_len, inputs.device)
         decay = check_log_decay(inputs, log_decay, length=T, d_phi=None)
+        packed_q, packed_k, packed_v = (pack(xp, x, offsets, max_len) for x in (q, k, v))
         out, state = causal_linear_attention(
-            *(pack(xp, x, offsets, max_len) for x in (q, k, v)),
+            packed_q,
+            packed_k,
+            packed_v,
             feature_map,
             method=method,
             chunk_size=chunk_size,
@@ -194,7 +198,7 @@ def causal_linear_attention(
     q, k, v = (select(xp, mask, x) for x in (q, k, v))
     v = inputs.to_work_dtype(v)
 
-    def features(q: Any, k: Any, mask: Any | None) -> tuple[Any, Any]:
+    def features(q: Array, k: Array, mask: Array | None) -> tuple[Array, Array]:
         # A feature map acts on each token alone, so the chunked form maps block by block.
         fq, fk = apply_feature_map(inputs, feature_map, q, k)
         # phi(0) is not 0: masked keys are selected away again after the map.
@@ -211,31 +215,35 @@ def causal_linear_attention(
     decay = check_log_decay(inputs, log_decay, length=T, d_phi=fq.shape[-1], mask=mask)
     if T == 0:  # the new state must not be the caller's own arrays
         S, z = xp.asarray(S, copy=True), xp.asarray(z, copy=True)
-    options = {"eps": eps, "log_decay": decay, "normalize": normalize}
     if method == "chunked":
         out, S, z = causal_chunked(
-            xp, features, q, k, v, S, z, mask=mask, chunk_size=chunk_size, **options
-        )
+            xp, features, q, k, v, S, z, mask=mask, chunk_size=chunk_size, eps=eps,
+            log_decay=decay, normalize=normalize,
+        )  # fmt: skip
     elif method == "recurrent":
-        out, S, z = causal_recurrent(xp, fq, fk, v, S, z, **options)
+        out, S, z = causal_recurrent(
+            xp, fq, fk, v, S, z, eps=eps, log_decay=decay, normalize=normalize
+        )
     else:
-        out, S, z = quadratic(xp, fq, fk, v, S, z, causal=True, **options)
+        out, S, z = quadratic(
+            xp, fq, fk, v, S, z, causal=True, eps=eps, log_decay=decay, normalize=normalize
+        )
     out = layout.restore(finish(inputs, out, mask))
     return (out, LinearAttentionState(S, z)) if return_state else out
 
 
 def linear_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Array,
+    k: Array,
+    v: Array,
     /,
     feature_map: FeatureMap | None = None,
     *,
     eps: float = DEFAULT_EPS,
-    attention_mask: Any | None = None,
+    attention_mask: Array | None = None,
     seq_axis: int = DEFAULT_SEQ_AXIS,
     normalize: bool = True,
-) -> Any:
+) -> Array:
     """Non-causal linear attention: every query attends to every key.
 
     ``o_i = phi(q_i) S / (phi(q_i) . z + eps)`` with ``S = phi(K)^T V`` and ``z = phi(K)^T 1``,
@@ -310,18 +318,18 @@ def linear_attention(
 
 
 def masked_kernel_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Array,
+    k: Array,
+    v: Array,
     /,
     feature_map: FeatureMap | None = None,
     *,
     causal: bool = True,
     eps: float = DEFAULT_EPS,
     seq_axis: int = DEFAULT_SEQ_AXIS,
-    log_decay: Any | None = None,
+    log_decay: Array | float | None = None,
     normalize: bool = True,
-) -> Any:
+) -> Array:
     """The quadratic reference: ``A = tril(phi(Q) phi(K)^T)``, ``O = A V / (A 1 + eps)``.
 
     Exact and simple, O(T^2) time and memory: use it to check the linear forms and for short

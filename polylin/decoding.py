@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ._decay import check_log_decay, check_normalize
 from ._policy import DEFAULT_EPS
 from ._prepare import apply_feature_map, finish, select
 from ._recurrent import recurrent_step
 from ._state import LinearAttentionState
+from ._typing import Array
 from ._validation import check_options, check_qkv, check_state, check_token_mask
 from .attention import FeatureMap
 
@@ -16,18 +15,18 @@ __all__ = ["step"]
 
 
 def step(
-    q_t: Any,
-    k_t: Any,
-    v_t: Any,
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
     /,
     state: LinearAttentionState | None = None,
     feature_map: FeatureMap | None = None,
     *,
     eps: float = DEFAULT_EPS,
-    attention_mask: Any | None = None,
-    log_decay: Any | None = None,
+    attention_mask: Array | None = None,
+    log_decay: Array | float | None = None,
     normalize: bool = True,
-) -> tuple[Any, LinearAttentionState]:
+) -> tuple[Array, LinearAttentionState]:
     """Attend one new token: update the state with ``(k_t, v_t)`` and read it with ``q_t``.
 
     Cost and memory are O(d_phi d_v) whatever the position: the state replaces a KV cache.
