@@ -64,6 +64,8 @@ def _torch_namespace(x: Any) -> Any | None:
 
 def is_array(x: Any) -> bool:
     """Whether ``x`` is an array of a library that polylin can run on."""
+    if x is None or isinstance(x, (bool, int, float, complex, str)):
+        return False  # answered here: torch.compile warns in array-api-compat's cached check
     return _torch_namespace(x) is not None or array_api_compat.is_array_api_obj(x)
 
 
