@@ -8,16 +8,20 @@ Everything after it receives ``xp`` (an array-API namespace) and arrays known to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from itertools import pairwise
+from numbers import Real
 from typing import Any, NamedTuple
 
 import array_api_compat
 
 __all__ = [
     "AttentionInputs",
+    "check_coefficient",
     "check_cu_seqlens",
     "check_mask",
+    "check_matrix_state",
     "check_options",
     "check_qkv",
     "check_state",
@@ -222,6 +226,73 @@ def check_state(
         if tuple(x.shape) != want:
             raise ValueError(f"{name}.{part} must have shape {want}, got {tuple(x.shape)}")
     return inputs.to_work_dtype(S), inputs.to_work_dtype(z)
+
+
+def check_matrix_state(inputs: AttentionInputs, state: Any, shape: tuple, *, name: str) -> Any:
+    """Return a state that is one array ``S`` (the delta rule's) in the work dtype.
+
+    ``None`` gives zeros of ``shape``; anything else must be an array of the library and device
+    of ``q``, with a real floating dtype and exactly ``shape``.
+    """
+    xp = inputs.xp
+    if state is None:
+        return xp.zeros(shape, dtype=inputs.work_dtype, device=inputs.device)
+    if isinstance(state, tuple):
+        raise TypeError(
+            f"{name} must be one array S of shape {shape}, got a {type(state).__name__} "
+            "(a tuple such as LinearAttentionState belongs to causal_linear_attention)"
+        )
+    if namespace_of(**{name: state}) is not xp:
+        raise TypeError(f"{name} must be an array of the same library as q")
+    if array_api_compat.device(state) != inputs.device:
+        raise ValueError(
+            f"{name} is on device {array_api_compat.device(state)} but q is on device "
+            f"{inputs.device}"
+        )
+    _check_floating(xp, name, state)
+    if tuple(state.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(state.shape)}")
+    return inputs.to_work_dtype(state)
+
+
+def check_coefficient(
+    inputs: AttentionInputs,
+    x: Any,
+    shape: tuple,
+    *,
+    name: str,
+    bounds: tuple[float, float],
+) -> Any:
+    """A per-token scalar (a learning rate, a log decay) as an array of ``shape`` (work dtype).
+
+    ``x`` is a Python real number, which must lie in ``bounds`` (inclusive), or an array of the
+    library, device and dtype of ``q`` that broadcasts to ``shape`` (whose last axis is 1).
+    Array values are not checked: that would read data (lazy and accelerator backends).
+    """
+    xp = inputs.xp
+    if isinstance(x, Real) and not isinstance(x, bool):
+        low, high = bounds
+        if not (math.isfinite(x) and low <= x <= high):  # also refuses nan and inf
+            raise ValueError(f"{name} must be a finite number in [{low}, {high}], got {x}")
+        return xp.full(shape, float(x), dtype=inputs.work_dtype, device=inputs.device)
+    if not array_api_compat.is_array_api_obj(x):
+        raise TypeError(f"{name} must be a float or an array, got {type(x).__name__}")
+    if namespace_of(**{name: x}) is not xp:
+        raise TypeError(f"{name} must be an array of the same library as q")
+    if array_api_compat.device(x) != inputs.device:
+        raise ValueError(
+            f"{name} is on device {array_api_compat.device(x)} but q is on device {inputs.device}"
+        )
+    if x.dtype != inputs.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {inputs.dtype}")
+    got = tuple(x.shape)
+    if len(got) > len(shape) or not all(
+        m in (1, f) for m, f in zip(reversed(got), reversed(shape))
+    ):
+        raise ValueError(
+            f"{name} must broadcast to {shape} (one value per token: last axis 1), got {got}"
+        )
+    return xp.broadcast_to(inputs.to_work_dtype(x), shape)
 
 
 def check_cu_seqlens(cu_seqlens: Sequence[int], total: int) -> list[int]:
