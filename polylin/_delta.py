@@ -116,7 +116,7 @@ def delta_chunked(
     xp: Any, q: Any, k: Any, v: Any, beta: Any, g: Any | None, S: Any, *, chunk_size: int
 ) -> tuple[Any, Any]:
     """The delta rule in chunks of ``chunk_size`` tokens from the state ``S``: ``(out, S_T)``."""
-    *batch, T, d_k = k.shape
+    *batch, T, _ = k.shape
     d_v = v.shape[-1]
     if T == 0:
         return v[..., :0, :], S
@@ -126,9 +126,7 @@ def delta_chunked(
     arrays = [q, k, v, beta] + ([] if g is None else [g])
     if padded != T:  # zero beta: no write; zero g: no decay; padded outputs are dropped
         arrays = [pad_rows(xp, x, padded - T) for x in arrays]
-    Q, K, V, B, *rest = (
-        xp.reshape(x, (*batch, n_chunks, chunk, x.shape[-1])) for x in arrays
-    )
+    Q, K, V, B, *rest = (xp.reshape(x, (*batch, n_chunks, chunk, x.shape[-1])) for x in arrays)
     dev = device(k)
     i = xp.arange(chunk, device=dev)
     causal = i[None, :] <= i[:, None]
