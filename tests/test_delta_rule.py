@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import polylin
+import polylin._delta
 from polylin import delta_rule_attention, delta_rule_step
 from polylin.testing import Backend
 
@@ -123,9 +124,12 @@ def test_matches_reference(backend, rng, method, decay, beta_kind):
     close(backend, state, want_state)
 
 
+@pytest.mark.parametrize("block_rows", [8, 4096])
 @pytest.mark.parametrize("chunk_size", [1, 3, 5, 16, 64])
-def test_any_chunk_size(rng, chunk_size):
-    """Chunks of any length, powers of two or not, shorter or longer than the sequence."""
+def test_any_chunk_size(rng, monkeypatch, chunk_size, block_rows):
+    """Chunks of any length, powers of two or not, shorter or longer than the sequence; in one
+    block or in several (eager CPU backends process blocks of chunks)."""
+    monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", block_rows)
     q, k, v, beta, log_decay = make_inputs(rng, lead=(2,), length=37)
     want, want_state = reference(q, k, v, beta, log_decay)
     out, state = delta_rule_attention(
@@ -298,9 +302,12 @@ def _loss_inputs(rng):
     return [q, k, v, beta, log_decay, S0], out_weight, state_weight
 
 
-def test_gradients_torch(rng):
-    """Gradients wrt q, k, v, beta, log_decay and the initial state: chunked == recurrent."""
+@pytest.mark.parametrize("block_rows", [8, 4096])
+def test_gradients_torch(rng, monkeypatch, block_rows):
+    """Gradients wrt q, k, v, beta, log_decay and the initial state: chunked == recurrent
+    (with the chunks in one block, and in blocks of one chunk)."""
     torch = pytest.importorskip("torch")
+    monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", block_rows)
     arrays, out_weight, state_weight = _loss_inputs(rng)
     grads = {}
     for method in polylin.DELTA_METHODS:
