@@ -232,7 +232,7 @@ def check_matrix_state(inputs: AttentionInputs, state: Any, shape: tuple, *, nam
     """Return a state that is one array ``S`` (the delta rule's) in the work dtype.
 
     ``None`` gives zeros of ``shape``; anything else must be an array of the library and device
-    of ``q``, with a real floating dtype and exactly ``shape``.
+    of ``q``, in the work dtype (float32 for 16-bit inputs) and of exactly ``shape``.
     """
     xp = inputs.xp
     if state is None:
@@ -250,9 +250,15 @@ def check_matrix_state(inputs: AttentionInputs, state: Any, shape: tuple, *, nam
             f"{inputs.device}"
         )
     _check_floating(xp, name, state)
+    if state.dtype != inputs.work_dtype:
+        # A silent cast would lose precision one way or change a higher-precision run the other.
+        raise TypeError(
+            f"{name} has dtype {state.dtype} but inputs of dtype {inputs.dtype} are computed in "
+            f"{inputs.work_dtype}; pass a state of that dtype (the one polylin returns)"
+        )
     if tuple(state.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(state.shape)}")
-    return inputs.to_work_dtype(state)
+    return state
 
 
 def check_coefficient(

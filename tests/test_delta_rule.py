@@ -453,6 +453,11 @@ def _bad(rng):
         ({"initial_state": np.zeros((2, 6, 6))}, ValueError, r"initial_state must have shape"),
         ({"initial_state": (np.zeros((2, 6, 5)), np.zeros((2, 6)))}, TypeError, "initial_state"),
         ({"initial_state": np.zeros((2, 6, 5), int)}, TypeError, "initial_state must have a"),
+        (
+            {"initial_state": np.zeros((2, 6, 5), np.float32)},
+            TypeError,
+            "initial_state has dtype float32 but inputs of dtype float64",
+        ),
         ({"method": "quadratic"}, ValueError, "method must be one of"),
         ({"chunk_size": 0}, ValueError, "chunk_size"),
         ({"attention_mask": np.ones((2, 4), bool)}, ValueError, "attention_mask"),
