@@ -154,8 +154,11 @@ def test_any_chunk_size(rng, monkeypatch, chunk_size, block_rows):
 
 
 @pytest.mark.parametrize("first, second", [("chunked", "recurrent"), ("recurrent", "chunked")])
-def test_split_and_resume(backend, rng, first, second):
-    """A state from either method continues in the other; with an initial state from the start."""
+def test_split_and_resume(backend, rng, monkeypatch, first, second):
+    """A state from either method continues in the other; with an initial state from the start.
+
+    Eager backends process the chunks in blocks of one chunk here (``BLOCK_ROWS`` small)."""
+    monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", 8)
     q, k, v, beta, log_decay = make_inputs(rng)
     S0 = rng.standard_normal((*LEAD, D_K, D_V))
     want, want_state = reference(q, k, v, beta, log_decay, state=S0)
