@@ -8,15 +8,31 @@ module.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager, nullcontext
+from functools import cache
 from typing import Any
 
 from array_api_compat import (
     is_array_api_strict_namespace,
+    is_dask_array,
+    is_dask_namespace,
+    is_jax_namespace,
     is_numpy_namespace,
     is_torch_namespace,
 )
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_EPS", "cacheable", "eager_cpu"]
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_EPS",
+    "cacheable",
+    "compiled",
+    "eager_constants",
+    "eager_cpu",
+    "materialized",
+    "stacked_qr",
+]
 
 #: Default added to the normalizer of every normalized entry point.
 DEFAULT_EPS = 1e-6
@@ -47,3 +63,57 @@ def cacheable(x: Any) -> bool:
         return False
     is_inference = getattr(x, "is_inference", None)
     return not (callable(is_inference) and is_inference())
+
+
+def stacked_qr(xp: Any) -> bool:
+    """Whether ``xp.linalg.qr`` (where ``xp`` has it) factors a stack ``(..., M, N)`` at once.
+
+    Dask's ``qr`` takes one two-dimensional matrix, in a single column of chunks.
+    """
+    return not is_dask_namespace(xp)
+
+
+def eager_constants(xp: Any) -> AbstractContextManager[Any]:
+    """A context in which arrays computed from Python data alone are concrete and cacheable.
+
+    A projection built from a seed depends on no input, so it should be computed once, at
+    once, and kept: under JAX, outside any trace (``jax.ensure_compile_time_eval``: inside
+    ``jit`` it would otherwise be recomputed by every call of the compiled function and could
+    not be cached); under PyTorch, outside ``inference_mode`` (an inference tensor could not be
+    saved for backward by a later training step). The library is already imported whenever its
+    namespace is in use, so it is taken from ``sys.modules``, not imported here.
+    """
+    if is_jax_namespace(xp) and "jax" in sys.modules:
+        return sys.modules["jax"].ensure_compile_time_eval()
+    if is_torch_namespace(xp) and "torch" in sys.modules:
+        return sys.modules["torch"].inference_mode(False)
+    return nullcontext()
+
+
+def materialized(x: Any) -> Any:
+    """``x`` computed now where the library is lazy (Dask persists it), else ``x`` itself.
+
+    For a constant that is kept and reused: a lazy array would repeat its whole computation
+    in every result that uses it.
+    """
+    return x.persist() if is_dask_array(x) else x
+
+
+def compiled(
+    xp: Any, function: Callable[..., Any], /, *, static_argnames: tuple[str, ...]
+) -> Callable[..., Any]:
+    """``function`` compiled as one program where ``xp``'s library compiles, else itself.
+
+    JAX compiles every operation it runs eagerly for each new shape: a build of a few dozen
+    operations costs seconds, one ``jax.jit`` program a fraction of that (and is reused for
+    every call with the same shapes and static arguments). The compiled function is kept, so
+    calls with new seeds reuse the program.
+    """
+    if is_jax_namespace(xp) and "jax" in sys.modules:
+        return _jitted(function, static_argnames)
+    return function
+
+
+@cache
+def _jitted(function: Callable[..., Any], static_argnames: Hashable) -> Callable[..., Any]:
+    return sys.modules["jax"].jit(function, static_argnames=static_argnames)

@@ -21,15 +21,16 @@ The attention functions cast 16-bit inputs to float32 *before* calling the map, 
 
 from __future__ import annotations
 
+import array
 import math
-import operator
 import random
-from functools import lru_cache
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import array_api_compat
 
-from ._policy import cacheable
+from ._policy import cacheable, compiled, eager_constants, materialized, stacked_qr
 
 __all__ = [
     "FAVOR_MAX_KEY_EXPONENT",
@@ -285,37 +286,151 @@ def dpfp(nu: int = 1) -> DPFPFeatureMap:
     return DPFPFeatureMap(nu)
 
 
-@lru_cache(maxsize=64)
-def _favor_projection(
-    dim: int, num_features: int, seed: int, orthogonal: bool
-) -> tuple[tuple[float, ...], ...]:
-    """The ``(num_features, dim)`` random projection as nested tuples of Python floats.
+#: Largest total size of the FAVOR+ projections kept by :func:`favor_plus` maps, in bytes (a
+#: ``(128, 4096)`` float64 projection takes 4 MiB); the least recently used go first.
+_PROJECTION_CACHE_BYTES = 64 * 2**20
 
-    Pure Python (``random.Random(seed)``) so that every backend gets bit-identical rows. Orthogonal
-    blocks: a ``dim x dim`` Gaussian matrix orthonormalized by modified Gram-Schmidt (its rows are
-    then Haar-distributed), each row rescaled by the norm of a fresh Gaussian ``dim``-vector so that
-    row norms are chi-distributed as for i.i.d. Gaussian rows.
+# (dim, num_features, seed, orthogonal, namespace, device, dtype) -> (dim, num_features) array,
+# shared by every map with the same parameters; least recently used first.
+_projection_cache: OrderedDict[tuple[Any, ...], tuple[Any, int]] = OrderedDict()
+_projection_cache_lock = threading.Lock()
+
+
+def _chi_norms(rng: random.Random, dim: int, count: int) -> list[float]:
+    """``count`` draws of the norm of a Gaussian ``dim``-vector: ``sqrt(chi2(dim))``."""
+    return [math.sqrt(2.0 * rng.gammavariate(dim / 2.0, 1.0)) for _ in range(count)]
+
+
+def _favor_row_norms(dim: int, num_features: int, seed: int) -> list[float]:
+    """The projection's row norms, the first draws of ``random.Random(seed)``."""
+    return _chi_norms(random.Random(seed), dim, num_features)
+
+
+def _build_dtype(xp: Any, dev: Any) -> Any:
+    """float64 where ``xp`` has it on ``dev``, else float32 (JAX without x64)."""
+    info = getattr(xp, "__array_namespace_info__", None)
+    if info is None:
+        return xp.float64
+    floats = info().dtypes(device=dev, kind="real floating")
+    return xp.float64 if "float64" in floats else xp.float32
+
+
+def _from_floats(xp: Any, values: list[float], dtype: Any, dev: Any) -> Any:
+    """A 1-D array of Python floats through the buffer protocol, much faster than a list.
+
+    The buffer's item type matches ``dtype`` (PyTorch reads a buffer as raw bytes of ``dtype``).
+    """
+    buffer = array.array("d" if dtype == xp.float64 else "f", values)
+    return xp.asarray(memoryview(buffer), dtype=dtype, device=dev)
+
+
+def _orthonormal_columns(xp: Any, gaussian: Any) -> Any:
+    """``Q`` of ``gaussian = Q R`` with ``diag(R) > 0``, for a stack ``(blocks, n, n)``.
+
+    With that sign convention (Mezzadri 2007) ``Q`` is Haar-distributed when ``gaussian`` has
+    i.i.d. Gaussian entries; a plain Householder ``Q`` is not (its signs follow ``R``'s).
+    """
+    if hasattr(xp, "linalg"):
+        if stacked_qr(xp):
+            q, r = xp.linalg.qr(gaussian)
+        else:  # one matrix at a time (Dask)
+            factors = [xp.linalg.qr(gaussian[i, ...]) for i in range(gaussian.shape[0])]
+            q = xp.stack([factor[0] for factor in factors])
+            r = xp.stack([factor[1] for factor in factors])
+        diagonal = xp.linalg.diagonal(r)
+        return xp.where(diagonal[..., None, :] < 0.0, -q, q)
+    # Without the linalg extension: classical Gram-Schmidt, each column projected twice ("twice
+    # is enough", Giraud et al. 2005), which is the same positive-diagonal QR to round-off.
+    n = gaussian.shape[-1]
+    columns: list[Any] = []
+    for j in range(n):
+        column = gaussian[..., j : j + 1]  # (blocks, n, 1)
+        if columns:
+            basis = xp.concat(columns, axis=-1)  # (blocks, n, j)
+            for _ in range(2):
+                coefficients = xp.matmul(xp.matrix_transpose(basis), column)
+                column = column - xp.matmul(basis, coefficients)
+        column = column / xp.sqrt(xp.sum(column * column, axis=-2, keepdims=True))
+        columns.append(column)
+    return xp.concat(columns, axis=-1)
+
+
+def _favor_projection(
+    xp: Any, dev: Any, dtype: Any, dim: int, num_features: int, seed: int, orthogonal: bool
+) -> Any:
+    """The ``(dim, num_features)`` FAVOR+ projection, built in ``xp`` on ``dev`` in ``dtype``.
+
+    One stream, ``random.Random(seed)``, read in pure Python so that every backend starts from
+    the same numbers: the ``num_features`` row norms (chi-distributed, for
+    :attr:`FavorPlusFeatureMap.key_offset`), then the uniforms of a Box-Muller transform (radii
+    first, then angles) that gives the Gaussian blocks. Orthogonal: ``ceil(m / dim)`` blocks of
+    ``dim x dim`` Gaussians, each orthonormalized by a sign-fixed QR (Haar-distributed
+    directions); i.i.d.: ``m`` Gaussian ``dim``-vectors normalized to unit length. Either way
+    each direction is scaled by its own norm, so the rows have the marginal law of Gaussian rows.
     """
     rng = random.Random(seed)
+    norms = _chi_norms(rng, dim, num_features)
+    blocks = -(-num_features // dim) if orthogonal else 1
+    pairs = (blocks * dim * (dim if orthogonal else num_features) + 1) // 2
+    draw = rng.random
+    radii = [1.0 - draw() for _ in range(pairs)]  # in (0, 1]: the logarithm below is finite
+    angles = [draw() for _ in range(pairs)]
+    build = _build_dtype(xp, dev)
+    assemble = compiled(xp, _assemble_projection, static_argnames=("xp", "dim", "orthogonal"))
+    matrix = assemble(
+        *(_from_floats(xp, values, build, dev) for values in (radii, angles, norms)),
+        xp=xp,
+        dim=dim,
+        orthogonal=orthogonal,
+    )
+    return matrix if dtype == build else xp.astype(matrix, dtype)
 
-    def gaussian_row() -> list[float]:
-        return [rng.gauss(0.0, 1.0) for _ in range(dim)]
 
-    if not orthogonal:
-        return tuple(tuple(gaussian_row()) for _ in range(num_features))
-    rows: list[list[float]] = []
-    while len(rows) < num_features:
-        block: list[list[float]] = []
-        for _ in range(dim):
-            row = gaussian_row()
-            for basis in block:
-                dot = sum(map(operator.mul, row, basis))
-                row = [a - dot * b for a, b in zip(row, basis)]
-            norm = math.sqrt(sum(map(operator.mul, row, row)))
-            block.append([a / norm for a in row])
-        rows.extend(block[: num_features - len(rows)])
-    norms = [math.sqrt(math.fsum(a * a for a in gaussian_row())) for _ in rows]
-    return tuple(tuple(a * n for a in row) for row, n in zip(rows, norms))
+def _assemble_projection(
+    radii: Any, angles: Any, norms: Any, /, *, xp: Any, dim: int, orthogonal: bool
+) -> Any:
+    """The projection from its uniforms and norms: Box-Muller, then orthonormal blocks."""
+    num_features = norms.shape[0]
+    blocks = -(-num_features // dim) if orthogonal else 1
+    width = dim if orthogonal else num_features
+    radius = xp.sqrt(-2.0 * xp.log(radii))
+    angle = angles * (2.0 * math.pi)
+    gaussian = xp.concat([radius * xp.cos(angle), radius * xp.sin(angle)])
+    gaussian = xp.reshape(gaussian[: blocks * dim * width], (blocks, dim, width))
+    if orthogonal:
+        directions = _orthonormal_columns(xp, gaussian)  # (blocks, dim, dim)
+        directions = xp.reshape(xp.permute_dims(directions, (1, 0, 2)), (dim, blocks * dim))
+        directions = directions[:, :num_features]
+    else:
+        directions = gaussian[0, ...]
+        directions = directions / xp.sqrt(xp.sum(directions * directions, axis=0, keepdims=True))
+    return directions * norms
+
+
+def _cached_favor_projection(
+    x: Any, dim: int, num_features: int, seed: int, orthogonal: bool
+) -> Any:
+    """:func:`_favor_projection` in ``x``'s library, device and dtype, from a bounded LRU cache."""
+    xp = array_api_compat.array_namespace(x)
+    dev = array_api_compat.device(x)
+    key = (dim, num_features, seed, orthogonal, xp.__name__, str(dev), str(x.dtype))
+    with _projection_cache_lock:
+        entry = _projection_cache.get(key)
+        if entry is not None:
+            _projection_cache.move_to_end(key)
+            return entry[0]
+    with eager_constants(xp):
+        matrix = _favor_projection(xp, dev, x.dtype, dim, num_features, seed, orthogonal)
+    matrix = materialized(matrix)
+    size = dim * num_features * (xp.finfo(x.dtype).bits // 8)
+    if cacheable(matrix) and size <= _PROJECTION_CACHE_BYTES:
+        with _projection_cache_lock:
+            _projection_cache[key] = (matrix, size)
+            total = sum(entry_size for _, entry_size in _projection_cache.values())
+            while total > _PROJECTION_CACHE_BYTES:
+                _, (_, dropped) = _projection_cache.popitem(last=False)
+                total -= dropped
+    return matrix
 
 
 class FavorPlusFeatureMap:
@@ -375,11 +490,10 @@ class FavorPlusFeatureMap:
             raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
         self.seed = seed
         self.orthogonal = orthogonal
-        rows = _favor_projection(dim, num_features, seed, orthogonal)
-        self._matrix = [list(col) for col in zip(*rows)]  # (dim, num_features), for x @ W
-        bound = max(math.fsum(a * a for a in row) for row in rows) / 2.0
+        # The rows' norms are drawn in Python (the projection itself only on first use, in the
+        # input's library), so the offset is a plain float, the same on every backend.
+        bound = max(_favor_row_norms(dim, num_features, seed)) ** 2 / 2.0
         self.key_offset = min(max(0.0, bound - FAVOR_MAX_KEY_EXPONENT), FAVOR_MAX_QUERY_EXPONENT)
-        self._cache: dict[tuple[str, str, str], Any] = {}
 
     def __repr__(self) -> str:
         return (
@@ -388,16 +502,13 @@ class FavorPlusFeatureMap:
         )
 
     def projection(self, x: Any, /) -> Any:
-        """The ``(dim, num_features)`` projection in ``x``'s library, device and dtype (cached)."""
-        xp = array_api_compat.array_namespace(x)
-        dev = array_api_compat.device(x)
-        key = (xp.__name__, str(dev), str(x.dtype))
-        matrix = self._cache.get(key)
-        if matrix is None:
-            matrix = xp.asarray(self._matrix, dtype=x.dtype, device=dev)
-            if cacheable(matrix):
-                self._cache[key] = matrix
-        return matrix
+        """The ``(dim, num_features)`` projection in ``x``'s library, device and dtype.
+
+        Built on first use with array operations of that library (in float64 where it has it,
+        then cast) and kept in a module-level cache shared by every map with the same
+        parameters, bounded in bytes (least recently used entries go first).
+        """
+        return _cached_favor_projection(x, self.dim, self.num_features, self.seed, self.orthogonal)
 
     def _exponent(self, x: Any) -> Any:
         """``w_i . x' - |x'|**2 / 2`` with ``x' = x * dim**-0.25``, shape ``(..., m)``."""
@@ -406,6 +517,8 @@ class FavorPlusFeatureMap:
                 f"{self!r} maps inputs of shape (..., {self.dim}), got {tuple(x.shape)}"
             )
         xp = array_api_compat.array_namespace(x)
+        if not xp.isdtype(x.dtype, "real floating"):
+            raise TypeError(f"{self!r} maps real floating inputs, got x of dtype {x.dtype}")
         scaled = x * self.dim**-0.25
         half_norm = xp.sum(scaled * scaled, axis=-1, keepdims=True) * 0.5
         return xp.matmul(scaled, self.projection(x)) - half_norm
@@ -463,13 +576,18 @@ def favor_plus(
     200; beyond, keys nearly aligned with a projection row and of norm about ``dim**0.75`` can
     still overflow float32.
 
-    The projection has ``num_features`` rows in orthogonal blocks of ``dim`` Gaussian rows with
-    chi-distributed norms (or i.i.d. Gaussian rows with ``orthogonal=False``). It is drawn once,
-    at construction, from Python's ``random.Random(seed)`` and orthonormalized by Gram-Schmidt
-    in pure Python, not from a NumPy generator as Performer's code does: polylin's core imports
-    no array library, and this way the same seed gives bit-identical rows on every backend. It
-    is moved to the input's library, device and dtype on first use and cached there (not inside
-    a JAX trace, nor under ``torch.inference_mode``).
+    The projection has ``num_features`` rows in orthogonal blocks of ``dim`` rows (or i.i.d.
+    Gaussian rows with ``orthogonal=False``), each scaled by its own chi-distributed norm, so
+    every row has the law of a Gaussian row. Only the norms are drawn at construction; the
+    matrix is built on first use, with array operations of the input's library: Python's
+    ``random.Random(seed)`` gives the norms and the uniforms of a Box-Muller transform, and
+    the Gaussian blocks are orthonormalized by that library's QR with the sign fix that makes
+    them Haar-distributed (by Gram-Schmidt where it has no ``linalg``), in float64 where the
+    library has it. Not a NumPy generator as in Performer's code: polylin's core imports no
+    array library, and this way the same seed gives the same rows, to round-off, on every
+    backend. The matrix is cached per (parameters, library, device, dtype) in one bounded
+    cache shared by all maps; inside ``jax.jit`` or ``torch.inference_mode`` it is still built
+    eagerly, once, and cached.
 
     Output size ``num_features``; features strictly positive (they can underflow to zero for
     keys far from every ``w_i``); cost one ``(..., dim) x (dim, m)`` matmul and ``m``
