@@ -9,9 +9,9 @@ CONSTRAINTS = -c backends/torch-cpu-constraints.txt
 
 help:
 	@echo "make demo   set up .venv (NumPy + CPU PyTorch) and run the demo table"
-	@echo "make test   set up .venv with every CPU backend and run lint, tests and the docs build"
+	@echo "make test   set up .venv with every CPU backend and run lint, types, tests and the docs build"
 	@echo "make docs   build the Sphinx site into docs/_build/html (warnings are errors)"
-	@echo "make bench  run the benchmark; writes bench-results/ (JSON + PNG)"
+	@echo "make bench  run the CPU benchmark (benchmarks/run.py cpu); writes bench-results/ (JSON + PNG)"
 	@echo "make gpu-wheels  fetch the wheels the GPU machine lacks into .whl/ (docs/gpu.md)"
 
 # pip runs with -qq: errors still show, the build backend's notices about editable installs do not.
@@ -37,7 +37,8 @@ demo: $(VENV)/.demo-stamp
 	$(PY) -m polylin demo
 
 test: $(VENV)/.test-stamp
-	$(PY) -m ruff check polylin tests
+	$(PY) -m ruff check polylin tests benchmarks
+	$(PY) -m mypy
 	$(PY) -m pytest
 	POLYLIN_DOCS_OFFLINE=1 $(MAKE) docs
 
@@ -50,8 +51,9 @@ test-fast: $(VENV)/.test-stamp
 docs: $(VENV)/.test-stamp
 	$(PY) -m sphinx -E -W --keep-going -b html docs docs/_build/html
 
+# The benchmarks are not installed with polylin: they run from this folder (benchmarks/README.md).
 bench: $(VENV)/.test-stamp
-	$(PY) -m polylin bench --out bench-results
+	$(PY) benchmarks/run.py cpu --out bench-results
 
 # What the GPU machine lacks (Python 3.12 there), for backends/gpu-check.sh; see docs/gpu.md.
 GPU_WHEELS = array-api-compat==1.16.0 array-api-strict==2.6.1 fla-core==0.6.0
@@ -61,4 +63,4 @@ gpu-wheels: $(VENV)/bin/python
 		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) docs/_build docs/api/generated bench-results .pytest_cache .hypothesis
+	rm -rf $(VENV) docs/_build docs/api/generated bench-results .pytest_cache .hypothesis .mypy_cache

@@ -131,7 +131,7 @@ record test-suite $?
 hard=$(budget 100 3)
 soft=$((hard > 60 ? hard - 45 : hard / 2))
 say "benchmark: --time-budget $soft s, hard limit $hard s"
-timeout -k 10 "$hard" "$PY" -m polylin bench-gpu "${BENCH_ARGS[@]}" --out "$OUT" \
+timeout -k 10 "$hard" "$PY" benchmarks/run.py gpu "${BENCH_ARGS[@]}" --out "$OUT" \
     --time-budget "$soft" >"$OUT/bench.log" 2>&1
 record benchmark $?
 
@@ -146,7 +146,7 @@ record benchmark $?
     done
     grep -E '^(FAILED|ERROR) ' "$OUT/tests-device.log" "$OUT/tests.log" | head -40
     if [ -s "$OUT/bench-gpu.json" ]; then
-        timeout 30 "$PY" -m polylin bench-gpu --summary-of "$OUT/bench-gpu.json" 2>&1
+        timeout 30 "$PY" benchmarks/run.py gpu --summary-of "$OUT/bench-gpu.json" 2>&1
     else
         echo "benchmark: no bench-gpu.json; last lines of bench.log:"
         tail -20 "$OUT/bench.log"

@@ -1,14 +1,15 @@
-"""``python -m polylin``: a demo table across backends, the backend list, and the benchmark."""
+"""``python -m polylin``: a demo table across backends, and the backend list."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
-from collections.abc import Sequence
-
-import numpy as np
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from . import METHODS, __version__, causal_linear_attention, masked_kernel_attention
 from .testing import Backend
@@ -19,11 +20,19 @@ PyTorch, CuPy, JAX, Dask and array-api-strict.
 
   python -m polylin demo       run every method on every usable backend; print errors and times
   python -m polylin backends   list the backends and why an unusable one cannot run here
-  python -m polylin bench      benchmark methods, backends and sequence lengths (JSON + plot)
-  python -m polylin bench-gpu  GPU benchmark against fla, SDPA and the seed loop (JSON + plot)
-  python -m polylin bench-dask scale-out run on local Dask clusters of 1 and 2 workers (JSON)
+  python -m polylin bench ...  from a clone of the repository: python benchmarks/run.py ...
 
 Library use:  from polylin import causal_linear_attention;  out = causal_linear_attention(q, k, v)
+"""
+
+#: Where the benchmarks live in a clone (they are not installed with the package).
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+
+NOT_INSTALLED = """\
+polylin's benchmarks are not installed with the package (this polylin is {where}).
+They live beside the library in its source repository; from a clone:
+
+  python benchmarks/run.py --help        (or: make bench)
 """
 
 
@@ -32,7 +41,7 @@ def _usable(names: Sequence[str] | None) -> list[Backend]:
     return [b for b in chosen if b.available()]
 
 
-def _time_call(backend: Backend, fn, repeats: int) -> tuple[object, float]:
+def _time_call(backend: Backend, fn: Callable[[], Any], repeats: int) -> tuple[object, float]:
     out = backend.synchronize(fn())  # warm-up (and compile, where a backend does)
     times = []
     for _ in range(repeats):
@@ -44,6 +53,8 @@ def _time_call(backend: Backend, fn, repeats: int) -> tuple[object, float]:
 
 def demo(args: argparse.Namespace) -> int:
     """Run the three methods on every usable backend and print a table."""
+    import numpy as np
+
     rng = np.random.default_rng(0)
     shape = (args.batch, args.seq_len)
     q = rng.standard_normal((*shape, args.dim))
@@ -61,14 +72,11 @@ def demo(args: argparse.Namespace) -> int:
     print("-" * len(header))
     for backend in _usable(args.backends):
         device = "gpu" if backend.is_gpu else "cpu"
-        for dtype in ("float64", "float32"):
+        for dtype in [d for d in ("float64", "float32") if d in backend.float_dtypes()]:
             xs = [backend.from_numpy(x, dtype) for x in (q, k, v)]
             for method in METHODS:
-                out, seconds = _time_call(
-                    backend,
-                    lambda xs=xs, method=method: causal_linear_attention(*xs, method=method),
-                    args.repeats,
-                )
+                call = functools.partial(causal_linear_attention, *xs, method=method)
+                out, seconds = _time_call(backend, call, args.repeats)
                 error = float(np.max(np.abs(backend.to_numpy(out) - reference)))
                 print(
                     f"{backend.value:<17} {device:<8} {dtype:<9} {method:<10} "
@@ -90,6 +98,22 @@ def backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    """Run ``benchmarks/run.py`` of the clone this polylin was imported from, if there is one."""
+    if not BENCHMARKS.is_file():
+        print(NOT_INSTALLED.format(where=BENCHMARKS.parent.parent), file=sys.stderr)
+        return 2
+    rest: list[str] = list(args.args)
+    if not rest or rest[0].startswith("-"):
+        rest = ["cpu", *rest]  # `python -m polylin bench --quick`: the CPU benchmark
+    sys.path.insert(0, str(BENCHMARKS.parent.parent))
+    try:
+        from benchmarks.run import main as run_benchmarks
+    finally:
+        sys.path.pop(0)
+    return int(run_benchmarks(rest))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m polylin",
@@ -97,9 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"polylin {__version__}")
-    sub = parser.add_subparsers(
-        dest="command", metavar="{demo,backends,bench,bench-gpu,bench-dask}"
-    )
+    sub = parser.add_subparsers(dest="command", metavar="{demo,backends,bench}")
 
     p_demo = sub.add_parser("demo", help="run every method on every usable backend")
     p_demo.add_argument("--batch", type=int, default=4, help="batch x heads (default 4)")
@@ -107,7 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo.add_argument("--dim", type=int, default=32, help="d_k = d_v (default 32)")
     p_demo.add_argument("--repeats", type=int, default=3, help="timed repeats (median shown)")
     p_demo.add_argument(
-        "--backends", nargs="+", metavar="NAME", choices=[b.value for b in Backend],
+        "--backends",
+        nargs="+",
+        metavar="NAME",
+        choices=[b.value for b in Backend],
         help="backends to run (default: every usable one)",
     )
     p_demo.set_defaults(func=demo)
@@ -115,23 +140,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_list = sub.add_parser("backends", help="list backends and their availability")
     p_list.set_defaults(func=backends)
 
-    from .bench import add_arguments  # the benchmark keeps its own flags
-
-    p_bench = sub.add_parser("bench", help="benchmark methods, backends and lengths")
-    add_arguments(p_bench)
-
-    from .bench import gpu  # the GPU benchmark (backends/gpu-check.sh runs it); lazy imports
-
-    p_bench_gpu = sub.add_parser(
-        "bench-gpu", help="GPU benchmark: polylin vs seed loop, quadratic, SDPA, fla"
+    p_bench = sub.add_parser(
+        "bench",
+        help="from a clone: run benchmarks/run.py with the arguments that follow",
+        add_help=False,
     )
-    gpu.add_arguments(p_bench_gpu)
+    p_bench.add_argument("args", nargs=argparse.REMAINDER)
+    p_bench.set_defaults(func=bench)
 
-    from .bench.dask_scaleout import add_arguments as add_dask_arguments
-
-    p_dask = sub.add_parser("bench-dask", help="Dask scale-out run on local clusters (JSON)")
-    add_dask_arguments(p_dask)
-
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # everything after it belongs to benchmarks/run.py
+        return bench(argparse.Namespace(args=argv[1:]))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

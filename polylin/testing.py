@@ -6,7 +6,14 @@ how to wait for queued work before a timer stops. Downstream users can use the d
 cross-check their own array-API code on every library installed.
 
 This module (with ``__main__``) is the only place in polylin that imports array libraries, and
-it imports each one lazily, only when that backend is used.
+it imports each one lazily, only when that backend is used; it imports without NumPy (moving
+data to and from NumPy needs NumPy, of course).
+
+Asking a driver anything changes no global setting of its library. In particular JAX runs in
+the mode its caller chose (``jax_enable_x64`` is read, never set: without it JAX has no
+float64, and :meth:`Backend.float_dtypes` says so), and array-api-strict keeps its caller's
+flags. The test suite sets both explicitly (``tests/conftest.py``): x64 on, and the strict
+flags of :data:`STRICT_FLAGS`.
 """
 
 from __future__ import annotations
@@ -15,14 +22,23 @@ import enum
 import importlib
 import os
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
-__all__ = ["STRICT_API_VERSION", "Backend", "selected_backends"]
+__all__ = ["STRICT_API_VERSION", "STRICT_FLAGS", "Backend", "selected_backends"]
 
 #: The standard version array-api-strict is pinned to in tests.
 STRICT_API_VERSION = "2024.12"
+
+#: The flags the test suite gives array-api-strict (``set_array_api_strict_flags(**STRICT_FLAGS)``):
+#: the pinned standard version, and no feature whose output shape depends on data.
+STRICT_FLAGS = {
+    "api_version": STRICT_API_VERSION,
+    "boolean_indexing": False,
+    "data_dependent_shapes": False,
+}
 
 
 class Backend(enum.Enum):
@@ -73,21 +89,24 @@ class Backend(enum.Enum):
         return self.unavailable_reason() is None
 
     def module(self) -> Any:
-        """The array library's own module (``numpy``, ``torch``, ``cupy``, ...)."""
-        mod = importlib.import_module(self.library)
-        if self is Backend.ARRAY_API_STRICT:
-            mod.set_array_api_strict_flags(
-                api_version=STRICT_API_VERSION, boolean_indexing=False, data_dependent_shapes=False
-            )
-        if self in (Backend.JAX, Backend.JAX_CUDA):
-            importlib.import_module("jax").config.update("jax_enable_x64", True)
-        return mod
+        """The array library's own module (``numpy``, ``torch``, ``cupy``, ...), as configured
+        by its caller: importing it here changes no setting."""
+        return importlib.import_module(self.library)
 
     def namespace(self) -> Any:
         """The array-API namespace polylin resolves for this backend's arrays."""
         import array_api_compat
 
-        return array_api_compat.array_namespace(self.from_numpy(np.zeros(1)))
+        return array_api_compat.array_namespace(self._probe())
+
+    def _probe(self) -> Any:
+        """A small array of this backend on its device (made without NumPy)."""
+        mod = self.module()
+        if self is Backend.DASK:
+            return mod.zeros((1,))
+        if self.device is not None:
+            return mod.asarray([0.0], device=self.device)
+        return mod.asarray([0.0])
 
     @property
     def device(self) -> Any:
@@ -101,8 +120,13 @@ class Backend(enum.Enum):
         return None
 
     def float_dtypes(self) -> list[str]:
-        """Names of the floating dtypes this backend supports, widest first."""
+        """Names of the floating dtypes this backend supports here and now, widest first.
+
+        JAX has float64 only while ``jax_enable_x64`` is on (read, not set).
+        """
         names = ["float64", "float32"]
+        if self in (Backend.JAX, Backend.JAX_CUDA) and not _jax_x64():
+            names.remove("float64")
         if self is not Backend.ARRAY_API_STRICT:
             names.append("float16")
         if self in (Backend.TORCH, Backend.TORCH_CUDA, Backend.JAX, Backend.JAX_CUDA):
@@ -112,14 +136,22 @@ class Backend(enum.Enum):
     def dtype(self, name: str) -> Any:
         """The library's dtype object called ``name``."""
         if self is Backend.DASK:
+            import numpy as np
+
             return np.dtype(name)
         return getattr(self.module(), name)
 
     def from_numpy(self, x: np.ndarray, dtype: str | None = None, chunks: Any = None) -> Any:
         """A copy of ``x`` as an array of this backend on its device, optionally cast to ``dtype``.
 
-        ``chunks`` is passed to Dask (default: one chunk) and ignored elsewhere.
+        ``chunks`` is passed to Dask (default: one chunk) and ignored elsewhere. A ``dtype``
+        this backend lacks here (see :meth:`float_dtypes`) raises ``ValueError``.
         """
+        import numpy as np
+
+        if dtype is not None and dtype.startswith("float") and dtype not in self.float_dtypes():
+            hint = " (JAX needs jax_enable_x64 for float64)" if dtype == "float64" else ""
+            raise ValueError(f"dtype={dtype!r}: {self} has no {dtype} here{hint}")
         mod = self.module()
         x = np.asarray(x)
         if self in (Backend.TORCH, Backend.TORCH_CUDA, Backend.JAX_CUDA):
@@ -135,6 +167,8 @@ class Backend(enum.Enum):
 
     def to_numpy(self, x: Any) -> np.ndarray:
         """A NumPy copy of ``x`` (computing it if lazy); 16-bit floats come back as float32."""
+        import numpy as np
+
         if self in (Backend.TORCH, Backend.TORCH_CUDA):
             x = x.detach()
             if x.dtype == self.module().bfloat16:
@@ -163,12 +197,24 @@ class Backend(enum.Enum):
         return x
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _jax_x64() -> bool:
+    """Whether JAX has 64-bit types in this thread now (its config or an enable_x64 context)."""
+    import jax
+
+    return bool(jax.config.read("jax_enable_x64"))
+
+
 @cache
 def _unavailable_reason(backend: Backend) -> str | None:
     try:
         mod = importlib.import_module(backend.library)
     except Exception as exc:  # ImportError, or a broken install raising something else
-        return f"{backend.library} is not installed ({type(exc).__name__}: {exc})"
+        return f"{backend.library} is not installed ({_first_line(exc)})"
     try:
         if backend is Backend.TORCH_CUDA and not mod.cuda.is_available():
             return "no CUDA device (torch.cuda.is_available() is False)"
@@ -188,13 +234,22 @@ def _unavailable_reason(backend: Backend) -> str | None:
             importlib.import_module("dask.array")
         backend.namespace()
     except Exception as exc:
-        return f"{backend} cannot run here ({type(exc).__name__}: {exc})"
+        return f"{backend} cannot run here ({_first_line(exc)})"
     return None
 
 
-def selected_backends(env_var: str = "POLYLIN_BACKENDS") -> list[Backend]:
-    """The backends named in ``$POLYLIN_BACKENDS`` (comma separated), or all of them."""
-    names = os.environ.get(env_var, "").strip()
+def selected_backends(
+    env_var: str = "POLYLIN_BACKENDS", *, names: str | None = None
+) -> list[Backend]:
+    """The backends named in ``$POLYLIN_BACKENDS`` (or in ``names``; comma separated), or all.
+
+    Examples
+    --------
+    >>> from polylin.testing import selected_backends
+    >>> selected_backends(names="numpy, torch")
+    [<Backend.NUMPY: 'numpy'>, <Backend.TORCH: 'torch'>]
+    """
+    names = (os.environ.get(env_var, "") if names is None else names).strip()
     if not names:
         return list(Backend)
     try:

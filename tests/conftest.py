@@ -1,31 +1,199 @@
-"""Shared fixtures: one ``backend`` parameter over every driver in polylin.testing."""
+"""Test configuration: library settings, and one ``backend`` fixture over every driver.
+
+Settings are made here, explicitly, never by the drivers: JAX runs with ``jax_enable_x64`` on,
+array-api-strict with :data:`polylin.testing.STRICT_FLAGS`.
+
+``backend`` is generated for every selected driver (``POLYLIN_BACKENDS=numpy,torch`` narrows
+the set; unusable ones skip with the reason), plus ``jax:x32`` (JAX with x64 off, as users run
+it by default) for every test that takes a ``dtype`` parameter. Only valid combinations are
+generated: a ``dtype`` the backend lacks (array-api-strict's float16, NumPy's bfloat16, float64
+under ``jax:x32``) is never collected. Markers, in the style of array-api-extra:
+
+- ``@pytest.mark.skip_backend(Backend.DASK, ..., reason="...")``: not generated for those;
+- ``@pytest.mark.only_backend(Backend.TORCH, ...)``: generated for those alone;
+- ``@pytest.mark.eager``: the entry points run as the test calls them (no automatic jit on
+  JAX, no compute guard on Dask).
+
+On JAX and Dask, the public functions of polylin that a test module imports by name run as
+users run them: on JAX under ``jax.jit`` (arrays traced, every other argument static; compiled
+programs are reused across tests), except ``method="recurrent"``, a Python loop over T that jit
+would unroll into a program the size of the sequence (``tests/test_jax.py`` covers it under jit
+at short T); on Dask, any computation of the graph inside the call raises
+(``array_api_extra.testing.lazy_xp_function``).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import numpy as np
 import pytest
+from array_api_extra.testing import lazy_xp_function, patch_lazy_xp_functions
 
-from polylin.testing import Backend, selected_backends
+import polylin
+from polylin.testing import STRICT_FLAGS, Backend, selected_backends
 
-BACKENDS = selected_backends()
-
-
-def _backend_params(backends):
-    return [pytest.param(b, id=str(b)) for b in backends]
+#: The test-only id of JAX with x64 off.
+JAX_X32 = "jax:x32"
 
 
-@pytest.fixture(params=_backend_params(BACKENDS))
-def backend(request) -> Backend:
+def _selection() -> tuple[list[Backend], bool]:
+    """The drivers named in ``$POLYLIN_BACKENDS`` (all by default), and whether ``jax:x32`` is."""
+    names = os.environ.get("POLYLIN_BACKENDS", "")
+    if not names.strip():
+        return list(Backend), True
+    x32 = JAX_X32 in [n.strip() for n in names.split(",")]
+    rest = ",".join(n for n in names.split(",") if n.strip() != JAX_X32)
+    return selected_backends(names=rest) if rest.strip() else [], x32
+
+
+BACKENDS, WITH_X32 = _selection()
+
+#: polylin's public functions: run under jit on JAX, checked lazy on Dask.
+ENTRY_POINTS = [f for f in map(polylin.__dict__.get, polylin.__all__) if inspect.isfunction(f)]
+for _entry_point in ENTRY_POINTS:
+    lazy_xp_function(_entry_point, jax_jit=False)  # Dask: no compute() inside; JAX: below
+
+_JIT_CACHE: dict[Any, Callable[..., Any]] = {}
+
+
+def _under_jit(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` under ``jax.jit`` with its JAX arrays traced and every other argument static."""
+    import jax
+
+    @functools.wraps(func)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        traced = tuple(isinstance(x, jax.Array) for x in leaves)
+        if kwargs.get("method") == "recurrent" or not any(traced):
+            return func(*args, **kwargs)
+        static = tuple(None if t else x for x, t in zip(leaves, traced))
+        key = (func, treedef, traced, static)
+        try:
+            compiled = _JIT_CACHE.get(key)
+        except TypeError:  # an unhashable option (a feature map object): run it as is
+            return func(*args, **kwargs)
+        if compiled is None:
+
+            def program(*arrays: Any) -> Any:
+                given = iter(arrays)
+                full = [next(given) if t else x for x, t in zip(static, traced)]
+                a, kw = jax.tree.unflatten(treedef, full)
+                return func(*a, **kw)
+
+            compiled = _JIT_CACHE[key] = jax.jit(program)
+        return compiled(*(x for x, t in zip(leaves, traced) if t))
+
+    return call
+
+
+@contextlib.contextmanager
+def _jit_entry_points(module: Any) -> Iterator[None]:
+    """Replace the entry points ``module`` imported by name with :func:`_under_jit` versions."""
+    names = [n for n, v in vars(module).items() if any(v is f for f in ENTRY_POINTS)]
+    saved = {n: getattr(module, n) for n in names}
+    try:
+        for n in names:
+            setattr(module, n, _under_jit(saved[n]))
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(module, n, f)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "skip_backend(*backends, reason): do not generate the backend fixture for these"
+    )
+    config.addinivalue_line(
+        "markers", "only_backend(*backends, reason): generate the backend fixture for these only"
+    )
+    config.addinivalue_line(
+        "markers", "eager: call the entry points as written (no jax.jit, no Dask compute guard)"
+    )
+    if WITH_X32 or Backend.JAX in BACKENDS or Backend.JAX_CUDA in BACKENDS:
+        with contextlib.suppress(ImportError):
+            import jax
+
+            jax.config.update("jax_enable_x64", True)
+    if Backend.ARRAY_API_STRICT in BACKENDS:
+        with contextlib.suppress(ImportError):
+            import array_api_strict
+
+            array_api_strict.set_array_api_strict_flags(**STRICT_FLAGS)
+
+
+def _marked(metafunc: pytest.Metafunc, name: str) -> set[Backend] | None:
+    marks = list(metafunc.definition.iter_markers(name))
+    if not marks:
+        return None
+    return {b for mark in marks for b in mark.args}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" not in metafunc.fixturenames:
+        return
+    only, skip = _marked(metafunc, "only_backend"), _marked(metafunc, "skip_backend") or set()
+    ids = [b.value for b in BACKENDS if (only is None or b in only) and b not in skip]
+    jax_ok = (only is None or Backend.JAX in only) and Backend.JAX not in skip
+    if WITH_X32 and jax_ok and "dtype" in metafunc.fixturenames:
+        ids.append(JAX_X32)
+    metafunc.parametrize("backend", ids, ids=ids, indirect=True)
+
+
+def _dtypes(backend_id: str) -> list[str]:
+    if backend_id == JAX_X32:
+        return [d for d in Backend.JAX.float_dtypes() if d != "float64"]
+    return Backend(backend_id).float_dtypes()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Drop the (backend, dtype) pairs that do not exist: they are not tests."""
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        backend_id, dtype = params.get("backend"), params.get("dtype")
+        if (
+            isinstance(backend_id, str)
+            and isinstance(dtype, str)
+            and dtype not in _dtypes(backend_id)
+        ):
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """Every selected backend; unusable ones skip with the reason."""
-    b: Backend = request.param
+    backend_id: str = request.param
+    b = Backend.JAX if backend_id == JAX_X32 else Backend(backend_id)
     reason = b.unavailable_reason()
     if reason is not None:
-        pytest.skip(f"[{b}] {reason}")
-    return b
+        pytest.skip(f"[{backend_id}] {reason}")
+    with contextlib.ExitStack() as stack:
+        if backend_id == JAX_X32:
+            import jax
+
+            stack.enter_context(jax.enable_x64(False))
+        eager = request.node.get_closest_marker("eager") is not None
+        if b in (Backend.JAX, Backend.JAX_CUDA) and not eager:
+            stack.enter_context(_jit_entry_points(request.module))
+        if b is Backend.DASK and not eager:
+            stack.enter_context(patch_lazy_xp_functions(request, xp=b.namespace()))
+        yield b
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _float32_matmuls_at_full_precision():
+def _float32_matmuls_at_full_precision() -> Iterator[None]:
     """GPU float32 cross-checks run without TF32 (see docs/gpu.md): pin torch's float32 matmul
     precision to "highest" for the session, restoring the caller's setting afterwards. polylin
     itself never changes it; tests/test_gpu_device.py shows what TF32 does to the results."""

@@ -24,10 +24,12 @@ EAGER = (Backend.NUMPY, Backend.ARRAY_API_STRICT, Backend.TORCH)
 
 @pytest.fixture(params=[1, 1024, 4096], ids=lambda r: f"bytes{r}")
 def small_blocks(request, monkeypatch, backend):
-    if backend not in EAGER:
-        pytest.skip(f"[{backend}] runs the chunked form in one block")
     monkeypatch.setattr(chunked, "BLOCK_BYTES", request.param)
     return request.param
+
+
+# Lazy and accelerator backends run the chunked form in one block: nothing to shrink there.
+pytestmark = pytest.mark.only_backend(*EAGER)
 
 
 @pytest.mark.parametrize(
@@ -93,10 +95,14 @@ def test_float32_many_blocks_stays_accurate(rng):
     np.testing.assert_allclose(out, expected, atol=2e-5)
 
 
-def test_block_tokens():
-    assert chunked.block_tokens(False, 5000, 64, 4096) == 5000  # lazy/accelerator: one block
-    assert chunked.block_tokens(False, 0, 64, 4096) == 1
-    # float32, batch 8, d_phi = d_v = 64: 4 KiB per token, so 1 MiB is 256 tokens (2048 rows)
-    assert chunked.block_tokens(True, 5000, 64, 8 * 128 * 4) == chunked.BLOCK_BYTES // 4096
-    assert chunked.block_tokens(True, 5000, 48, 8 * 128 * 4) % 48 == 0
-    assert chunked.block_tokens(True, 5000, 64, 10**9) == 64  # at least one chunk per block
+@pytest.mark.parametrize("chunk", [1, 48, 64])
+@pytest.mark.parametrize("token_bytes", [4, 4096, 10**9])
+def test_block_tokens(chunk, token_bytes, monkeypatch):
+    """A block is whole chunks, at least one, and as many as fit the byte budget."""
+    assert chunked.block_tokens(False, 5000, chunk, token_bytes) == 5000  # lazy: one block
+    assert chunked.block_tokens(False, 0, chunk, token_bytes) == 1
+    monkeypatch.setattr(chunked, "BLOCK_BYTES", 2**20)
+    tokens = chunked.block_tokens(True, 5000, chunk, token_bytes)
+    assert tokens % chunk == 0 and tokens >= chunk
+    assert tokens * token_bytes <= 2**20 or tokens == chunk  # within budget, or one chunk
+    assert (tokens + chunk) * token_bytes > 2**20  # one more chunk would not fit

@@ -31,35 +31,18 @@ from polylin import (
 )
 from polylin.testing import Backend
 
-from .conftest import BACKENDS
 from .reference import ATOL, masked_kernel
 
 GPU = (Backend.TORCH_CUDA, Backend.CUPY)
 
 
-def _require(b: Backend) -> Backend:
-    if b not in BACKENDS:
-        pytest.skip(f"[{b}] not selected by POLYLIN_BACKENDS")
-    reason = b.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"[{b}] {reason}")
-    return b
-
-
-@pytest.fixture(params=[pytest.param(b, id=str(b)) for b in GPU])
-def gpu(request) -> Backend:
-    """``torch:cuda`` and ``cupy``; each skips with the reason where it cannot run."""
-    return _require(request.param)
-
-
 @pytest.fixture
-def torch_cuda() -> Backend:
-    return _require(Backend.TORCH_CUDA)
+def gpu(backend) -> Backend:
+    """``torch:cuda`` or ``cupy`` (see the markers); each skips with the reason elsewhere."""
+    return backend
 
 
-@pytest.fixture
-def cupy_gpu() -> Backend:
-    return _require(Backend.CUPY)
+torch_cuda = cupy_gpu = gpu
 
 
 def _qkv(rng, lead=(2, 3), T=70, d_k=8, d_v=5):
@@ -115,6 +98,7 @@ def _inputs(b: Backend, rng, dtype="float32"):
     return arrays, xs, mask
 
 
+@pytest.mark.only_backend(*GPU)
 @pytest.mark.parametrize("call", CALLS)
 def test_outputs_stay_on_the_input_device(gpu, call, rng):
     _, xs, mask = _inputs(gpu, rng)
@@ -126,6 +110,7 @@ def test_outputs_stay_on_the_input_device(gpu, call, rng):
         assert out_device == device, f"{call}: output on {out_device}, inputs on {device}"
 
 
+@pytest.mark.only_backend(*GPU)
 def test_gpu_results_match_the_float64_reference(gpu, rng):
     arrays, xs, _ = _inputs(gpu, rng)
     for method in polylin.METHODS:
@@ -147,6 +132,7 @@ def _torch_sync_is_an_error(torch):
         torch.cuda.set_sync_debug_mode(before)
 
 
+@pytest.mark.only_backend(Backend.TORCH_CUDA)
 def test_torch_sync_detector_fires(torch_cuda):
     torch = torch_cuda.module()
     x = torch.ones(8, device="cuda")
@@ -154,6 +140,7 @@ def test_torch_sync_detector_fires(torch_cuda):
         float(x.sum())
 
 
+@pytest.mark.only_backend(Backend.TORCH_CUDA)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("call", CALLS)
 def test_torch_cuda_call_never_synchronizes(torch_cuda, call, dtype, rng):
@@ -169,6 +156,7 @@ def test_torch_cuda_call_never_synchronizes(torch_cuda, call, dtype, rng):
                                    atol=ATOL[dtype], err_msg=call)
 
 
+@pytest.mark.only_backend(Backend.TORCH_CUDA)
 def test_torch_cuda_backward_never_synchronizes(torch_cuda, rng):
     torch = torch_cuda.module()
     _, xs, _ = _inputs(torch_cuda, rng)
@@ -211,6 +199,7 @@ def _captured(cp, fn):
     return out, error
 
 
+@pytest.mark.only_backend(Backend.CUPY)
 def test_cupy_sync_detector_fires(cupy_gpu):
     cp = cupy_gpu.module()
     x = cp.ones(8, dtype=cp.float32)
@@ -218,6 +207,7 @@ def test_cupy_sync_detector_fires(cupy_gpu):
     assert error is not None
 
 
+@pytest.mark.only_backend(Backend.CUPY)
 @pytest.mark.parametrize("call", CALLS)
 def test_cupy_call_never_synchronizes(cupy_gpu, call, rng):
     cp = cupy_gpu.module()
@@ -243,6 +233,7 @@ def test_cupy_call_never_synchronizes(cupy_gpu, call, rng):
 TF32_REL = 8 * 2.0**-10
 
 
+@pytest.mark.only_backend(Backend.TORCH_CUDA)
 @pytest.mark.parametrize("method", ["chunked", "quadratic"])
 def test_tf32_changes_float32_results_within_its_error(torch_cuda, method, rng):
     torch = torch_cuda.module()
@@ -268,10 +259,10 @@ def test_tf32_changes_float32_results_within_its_error(torch_cuda, method, rng):
     assert tf32_error > ATOL["float32"], f"TF32 error only {tf32_error:.2e}: was TF32 used?"
 
 
-@pytest.mark.parametrize("b", [Backend.TORCH, Backend.TORCH_CUDA], ids=str)
+@pytest.mark.only_backend(Backend.TORCH, Backend.TORCH_CUDA)
 @pytest.mark.parametrize("precision", ["highest", "high", "medium"])
-def test_polylin_leaves_torch_precision_settings_alone(b, precision, rng):
-    b = _require(b)
+def test_polylin_leaves_torch_precision_settings_alone(backend, precision, rng):
+    b = backend
     torch = b.module()
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)

@@ -10,13 +10,17 @@ from polylin import LinearAttentionState, causal_linear_attention
 from polylin.feature_maps import dpfp, favor_plus, taylor_exp
 from polylin.testing import Backend
 
-torch = pytest.importorskip("torch")
-
 # T = 7 with chunk_size = 3: three chunks, the last one partial.
 T, D_K, D_V, CHUNK = 7, 3, 2, 3
 
 
-def small_inputs(seed: int = 0, lead=(2,)):
+@pytest.fixture
+def torch(backend):
+    """The torch module, for the PyTorch autograd tests (generated for ``torch`` alone)."""
+    return backend.module()
+
+
+def small_inputs(torch, seed: int = 0, lead=(2,)):
     g = torch.Generator().manual_seed(seed)
     return tuple(
         torch.randn((*lead, T, d), generator=g, dtype=torch.float64, requires_grad=True)
@@ -25,8 +29,9 @@ def small_inputs(seed: int = 0, lead=(2,)):
 
 
 @pytest.mark.parametrize("method", polylin.METHODS)
-def test_gradcheck(method):
-    q, k, v = small_inputs()
+@pytest.mark.only_backend(Backend.TORCH)
+def test_gradcheck(torch, method):
+    q, k, v = small_inputs(torch)
 
     def f(q, k, v):
         return causal_linear_attention(q, k, v, method=method, chunk_size=CHUNK)
@@ -35,9 +40,10 @@ def test_gradcheck(method):
 
 
 @pytest.mark.parametrize("method", polylin.METHODS)
-def test_gradcheck_with_state_passing(method):
+@pytest.mark.only_backend(Backend.TORCH)
+def test_gradcheck_with_state_passing(torch, method):
     """Gradients flow into the initial state and out through the returned state."""
-    q, k, v = small_inputs(1)
+    q, k, v = small_inputs(torch, 1)
     g = torch.Generator().manual_seed(2)
     S0 = torch.rand((2, D_K, D_V), generator=g, dtype=torch.float64, requires_grad=True)
     z0 = torch.rand((2, D_K), generator=g, dtype=torch.float64, requires_grad=True)
@@ -57,8 +63,9 @@ def test_gradcheck_with_state_passing(method):
     [favor_plus(D_K, 8, seed=0), taylor_exp, dpfp(nu=2)],
     ids=["favor_plus", "taylor_exp", "dpfp"],
 )
-def test_gradcheck_feature_maps(feature_map):
-    q, k, v = small_inputs(3)
+@pytest.mark.only_backend(Backend.TORCH)
+def test_gradcheck_feature_maps(torch, feature_map):
+    q, k, v = small_inputs(torch, 3)
 
     def f(q, k, v):
         return causal_linear_attention(q, k, v, feature_map, chunk_size=CHUNK)
@@ -67,7 +74,8 @@ def test_gradcheck_feature_maps(feature_map):
 
 
 @pytest.mark.parametrize("method", ["chunked", "recurrent"])
-def test_torch_gradients_equal_quadratic(method):
+@pytest.mark.only_backend(Backend.TORCH)
+def test_torch_gradients_equal_quadratic(torch, method):
     """Gradients of a random projection of the output: linear forms vs the quadratic one."""
     g = torch.Generator().manual_seed(4)
     shapes = [(2, 3, 37, 8), (2, 3, 37, 8), (2, 3, 37, 5)]
@@ -84,7 +92,8 @@ def test_torch_gradients_equal_quadratic(method):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
 
 
-def test_torch_float32_gradients_close_to_float64():
+@pytest.mark.only_backend(Backend.TORCH)
+def test_torch_float32_gradients_close_to_float64(torch):
     g = torch.Generator().manual_seed(5)
     base = [torch.randn((2, 100, 16), generator=g, dtype=torch.float64) for _ in range(3)]
 
@@ -97,13 +106,12 @@ def test_torch_float32_gradients_close_to_float64():
         torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
 
 
-def test_jax_grad_through_favor_plus():
+@pytest.mark.only_backend(Backend.JAX)
+def test_jax_grad_through_favor_plus(backend):
     """jax.grad under jit with FAVOR+ (its projection is made inside the trace): chunked equals
     quadratic. The plain chunked/recurrent vs quadratic gradients are in tests/test_jax.py."""
-    reason = Backend.JAX.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"[jax] {reason}")
-    jax = pytest.importorskip("jax")
+    import jax
+
     rng = np.random.default_rng(6)
     q, k, v = (Backend.JAX.from_numpy(rng.standard_normal((2, 17, 6))) for _ in range(3))
     phi = favor_plus(6, 16, seed=0)
@@ -118,12 +126,15 @@ def test_jax_grad_through_favor_plus():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-10)
 
 
-def test_jax_grad_matches_torch():
+@pytest.mark.only_backend(Backend.JAX)
+def test_jax_grad_matches_torch(backend):
     """The same loss on the same inputs: JAX and PyTorch agree on the gradients."""
-    reason = Backend.JAX.unavailable_reason()
+    import jax
+
+    reason = Backend.TORCH.unavailable_reason()
     if reason is not None:
-        pytest.skip(f"[jax] {reason}")
-    jax = pytest.importorskip("jax")
+        pytest.skip(f"[torch] {reason}")
+    torch = Backend.TORCH.module()
     rng = np.random.default_rng(7)
     arrays = [rng.standard_normal((3, 20, 4)) for _ in range(3)]
 

@@ -51,31 +51,9 @@ def long_reference(dtype: str) -> np.ndarray:
     return chunkwise_reference(elu_plus_one(q), elu_plus_one(k), v)
 
 
-def test_float16_accumulation_would_overflow():
-    """The failure mode itself, in NumPy float16: the denominator overflows, z stalls."""
-    q, k, _ = long_inputs("float16")
-    fq = elu_plus_one(q).astype(np.float16)
-    fk = elu_plus_one(k).astype(np.float16)
-    z16 = np.cumsum(fk, axis=0, dtype=np.float16)
-    with np.errstate(over="ignore"):
-        normalizer16 = np.sum(fq * z16, axis=-1, dtype=np.float16)
-    assert np.isinf(normalizer16).any()
-    first_inf = int(np.argmax(np.isinf(normalizer16)))
-    assert first_inf < 2000  # long before the end of the sequence
-    # exact running sums (float64) reach ~38000 per feature; float16 ones stall below 9000,
-    # where the spacing of float16 numbers (8) exceeds twice a typical feature
-    z_exact = np.cumsum(fk.astype(np.float64), axis=0)
-    assert z_exact[-1].min() > 30000
-    assert z16[-1].max() < 0.3 * z_exact[-1].min()
-    normalizer_exact = np.sum(fq.astype(np.float64) * z_exact, axis=-1)
-    assert normalizer_exact.max() > 50 * float(np.finfo(np.float16).max)
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_long_sequence_half_precision_matches_float64(backend, dtype):
     """T = 32768, d = 64, one head, chunked: finite, input dtype, close to float64."""
-    if dtype not in backend.float_dtypes():
-        pytest.skip(f"[{backend}] has no {dtype}")
     q, k, v = long_inputs(dtype)
     xs = [backend.from_numpy(a, dtype) for a in (q, k, v)]
     out, state = causal_linear_attention(*xs, return_state=True)
@@ -94,8 +72,6 @@ def test_long_sequence_half_precision_matches_float64(backend, dtype):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_favor_plus_half_precision(backend, dtype):
     """FAVOR+ features are computed in float32 for 16-bit inputs too."""
-    if dtype not in backend.float_dtypes():
-        pytest.skip(f"[{backend}] has no {dtype}")
     rng = np.random.default_rng(16)
     q, k, v = (rounded(rng.standard_normal((2048, 16)) * s, dtype) for s in (0.5, 0.5, 1.0))
     phi = favor_plus(16, 64, seed=0)

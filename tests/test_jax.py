@@ -3,8 +3,10 @@
 The same polylin functions run unchanged inside traced JAX code: no in-place updates, no Python
 control flow on array values, and the chunk size, method and other options are static (plain
 Python values closed over with ``functools.partial`` or named in ``static_argnames``). Arrays,
-attention masks and initial states may be traced arguments. Runs on ``jax`` (CPU) and on
-``jax:cuda`` where JAX sees a GPU; float64 is enabled by the driver.
+attention masks and initial states may be traced arguments. Runs on ``jax`` (CPU, x64 on), on
+``jax:x32`` (x64 off, float32 inputs) where a test takes a ``dtype``, and on ``jax:cuda`` where
+JAX sees a GPU. Elsewhere the suite calls the entry points under an automatic jit; here they are
+called as written (``eager``), inside the transformations each test applies, or eagerly.
 """
 
 from __future__ import annotations
@@ -25,30 +27,26 @@ from polylin import (
 )
 from polylin.testing import Backend
 
-from .conftest import BACKENDS
-from .reference import ATOL, masked_kernel
+from .reference import ATOL, masked_kernel, rounded
 
-JAX_BACKENDS = [b for b in (Backend.JAX, Backend.JAX_CUDA) if b in BACKENDS]
+pytestmark = [pytest.mark.only_backend(Backend.JAX, Backend.JAX_CUDA), pytest.mark.eager]
 
 # The recurrent form unrolls one step per token into the traced program: keep T short so that
 # compiling it stays fast. T = 21 is not a multiple of the chunk size 8 (a padded last chunk).
 LEAD, T, D_K, D_V, CHUNK = (2, 3), 21, 6, 5, 8
 
 
-@pytest.fixture(params=[pytest.param(b, id=str(b)) for b in JAX_BACKENDS])
-def jb(request) -> Backend:
-    """The JAX drivers (``jax``, ``jax:cuda``); unusable ones skip with the reason."""
-    b: Backend = request.param
-    reason = b.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"[{b}] {reason}")
-    b.module()  # enables x64 before any array is made
-    return b
+@pytest.fixture
+def jb(backend) -> Backend:
+    """The JAX driver of this test (``jax``, ``jax:x32``, ``jax:cuda``)."""
+    return backend
 
 
 @pytest.fixture
-def jax():
-    return pytest.importorskip("jax")
+def jax(backend):
+    import jax
+
+    return jax
 
 
 def _qkv(rng, lead=LEAD, t=T, d_k=D_K, d_v=D_V):
@@ -240,13 +238,44 @@ def test_grad_matches_quadratic(jb, jax, method, rng):
         np.testing.assert_allclose(jb.to_numpy(g), jb.to_numpy(w), rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_jit_low_precision(jb, jax, dtype, rng):
-    """Half inputs accumulate in float32 under jit too and come back in their own dtype."""
-    from .reference import rounded
-
+    """Half inputs accumulate in float32 under jit too and come back in their own dtype; with
+    x64 off (``jax:x32``) float32 inputs give float32 results at float32 accuracy."""
     arrays = [rounded(a, dtype) for a in _qkv(rng)]
     xs = [jb.from_numpy(a, dtype) for a in arrays]
     out = jax.jit(functools.partial(causal_linear_attention, chunk_size=CHUNK))(*xs)
     _check_jax_output(jb, out, xs[0])
     np.testing.assert_allclose(jb.to_numpy(out), masked_kernel(*arrays), rtol=0, atol=ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_eager_state_mask_and_step(jb, dtype, rng):
+    """Without any transformation (op by op; the suite's other tests jit the default path), in
+    float64 and float32, and on ``jax:x32`` in float32: masks, a carried state and a decoding
+    step all match the float64 reference. (The recurrent form always runs op by op.)"""
+    method = "chunked"
+    arrays = [rounded(a, dtype) for a in _qkv(rng, lead=(2,))]
+    mask = rng.random((2, T)) > 0.3
+    mask[:, 0] = True
+    xs = [jb.from_numpy(a, dtype) for a in arrays]
+    m = jb.from_numpy(mask)
+    cut = 9
+    head, state = causal_linear_attention(
+        *(x[..., :cut, :] for x in xs), method=method, chunk_size=CHUNK,
+        attention_mask=m[:, :cut], return_state=True,
+    )
+    tail = causal_linear_attention(
+        *(x[..., cut:, :] for x in xs), method=method, chunk_size=CHUNK,
+        attention_mask=m[:, cut:], initial_state=state,
+    )
+    _check_jax_output(jb, tail, xs[0])
+    assert state.S.dtype == (xs[0].dtype if dtype == "float64" else jb.dtype("float32"))
+    expected = masked_kernel(*arrays, mask=mask)
+    got = np.concatenate([jb.to_numpy(head), jb.to_numpy(tail)], axis=-2)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL[dtype])
+    o_t, _ = step(*(x[..., cut, :] for x in xs), state)  # token `cut`, kept, after the prefix
+    kept = mask[:, : cut + 1].copy()
+    kept[:, cut] = True
+    expected_t = masked_kernel(*(a[..., : cut + 1, :] for a in arrays), mask=kept)[..., cut, :]
+    np.testing.assert_allclose(jb.to_numpy(o_t), expected_t, rtol=0, atol=ATOL[dtype])

@@ -1,105 +1,40 @@
-"""Turning a benchmark report into the targets table, the printed summary and the plot.
+"""The CPU report: the printed summary and the plot of ``bench.json``.
 
 Every ratio is taken between two measurements of the same run (same machine state, same
-inputs). The targets are those of the performance issue; a target whose measurements are not in
-the report (another ``--seq-lens``, a backend not run) says so instead of guessing.
+inputs); the targets are judged by :mod:`benchmarks.targets`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["plot", "summarize", "targets"]
+__all__ = ["plot", "summarize"]
 
 _MB = 2**20
 
 
-def _median(report: dict, backend: str, method: str, T: int, d: int) -> float | None:
+def _key(row: dict) -> tuple:
+    return (row["backend"], row["method"], row["T"], row["d"], row.get("pass", "forward"))
+
+
+def _median(
+    report: dict, backend: str, method: str, T: int, d: int, mode: str = "forward"
+) -> float | None:
     for row in report["results"]:
-        if (row["backend"], row["method"], row["T"], row["d"]) == (backend, method, T, d):
+        if _key(row) == (backend, method, T, d, mode):
             if row.get("extrapolated"):
                 return None
             return row.get("median_s")
     return None
 
 
-def _row(report: dict, backend: str, method: str, T: int, d: int) -> dict | None:
+def _row(
+    report: dict, backend: str, method: str, T: int, d: int, mode: str = "forward"
+) -> dict | None:
     for row in report["results"]:
-        if (row["backend"], row["method"], row["T"], row["d"]) == (backend, method, T, d):
+        if _key(row) == (backend, method, T, d, mode):
             return row
     return None
-
-
-def _target(name: str, value: float | None, limit: float, *, at_most: bool, unit: str = "x"):
-    met = None if value is None else (value <= limit if at_most else value >= limit)
-    return {
-        "target": name, "measured": value, "limit": limit,
-        "comparison": "<=" if at_most else ">=", "unit": unit, "met": met,
-    }
-
-
-def targets(report: dict) -> list[dict]:
-    """The issue's targets, each with the measured value and whether it is met.
-
-    Examples
-    --------
-    >>> from polylin.bench.report import targets
-    >>> empty = {"results": [], "decode": [], "memory_check": [], "gemm_flops_per_s": {}}
-    >>> [t["met"] for t in targets(empty)][:2]
-    [None, None]
-    """
-    from . import D_GEMM, T_LONG, T_REF
-
-    d0 = 64
-    out = []
-    chunked = _median(report, "torch", "chunked", T_REF, d0)
-    plain = _median(report, "torch", "plain", T_REF, d0)
-    seed = _median(report, "torch", "seed", T_REF, d0)
-    numpy_chunked = _median(report, "numpy", "chunked", T_REF, d0)
-    out.append(_target(
-        f"torch chunked / torch plain chunked, T={T_REF}, d={d0}",
-        chunked / plain if chunked and plain else None, 0.75, at_most=True,
-    ))
-    out.append(_target(
-        f"seed loop / torch chunked (speed-up), T={T_REF}, d={d0}",
-        seed / chunked if chunked and seed else None, 25.0, at_most=False,
-    ))
-    out.append(_target(
-        f"numpy chunked / torch plain chunked, T={T_REF}, d={d0}",
-        numpy_chunked / plain if numpy_chunked and plain else None, 1.5, at_most=True,
-    ))
-    backends = sorted({r["backend"] for r in report["results"]})
-    dims = sorted({r["d"] for r in report["results"]})
-    for backend in backends:
-        for d in dims:
-            short = _median(report, backend, "chunked", T_REF, d)
-            long = _median(report, backend, "chunked", T_LONG, d)
-            out.append(_target(
-                f"{backend} chunked time(T={T_LONG}) / time(T={T_REF}), d={d}",
-                long / short if long and short else None, 5.0, at_most=True,
-            ))
-    for row in report["memory_check"]:
-        out.append(_target(
-            f"{row['backend']} chunked peak extra memory / inputs, T={row['T']}, one head, "
-            f"d={row['d']}",
-            row["peak_over_inputs"], 4.0, at_most=True,
-        ))
-    for backend in backends:
-        row = _row(report, backend, "chunked", T_REF, D_GEMM)
-        out.append(_target(
-            f"{backend} chunked useful flop rate / GEMM rate, T={T_REF}, d={D_GEMM}",
-            None if row is None else row.get("gemm_fraction"), 0.35, at_most=False,
-        ))
-    for backend in backends:
-        steps = [r for r in report["decode"] if r["backend"] == backend]
-        if len(steps) >= 2:
-            first, last = steps[0], steps[-1]
-            out.append(_target(
-                f"{backend} decode time per token at position {last['position']} / at "
-                f"position {first['position']} (flat)",
-                last["per_token_s"] / first["per_token_s"], 1.5, at_most=True,
-            ))
-    return out
 
 
 def _fmt_time(seconds: float | None) -> str:
@@ -114,14 +49,6 @@ def _fmt_time(seconds: float | None) -> str:
 
 def summarize(report: dict) -> str:
     """The printed report: times with ratios, memory, GEMM fractions, decode, targets.
-
-    Examples
-    --------
-    >>> from polylin.bench.report import summarize
-    >>> empty = {"meta": {}, "results": [], "decode": [], "memory_check": [],
-    ...          "gemm_flops_per_s": {}, "targets": []}
-    >>> "targets" in summarize(empty)
-    True
     """
     meta = report.get("meta", {})
     lines = [
@@ -145,23 +72,23 @@ def summarize(report: dict) -> str:
     for backend, reason in report.get("unavailable", {}).items():
         lines.append(f"not run: {backend} ({reason})")
     results = report["results"]
-    keys = sorted({(r["backend"], r["d"]) for r in results})
-    for backend, d in keys:
-        rows = [r for r in results if r["backend"] == backend and r["d"] == d]
+    keys = sorted({(r["backend"], r["d"], r.get("pass", "forward")) for r in results})
+    for backend, d, mode in keys:
+        rows = [r for r in results if _key(r)[0::3] == (backend, d) and _key(r)[4] == mode]
         methods = list(dict.fromkeys(r["method"] for r in rows))
         lens = sorted({r["T"] for r in rows})
         batch = rows[0]["batch"]
         lines.append("")
         lines.append(
-            f"{backend}, d={d}, batch x heads={batch}, {rows[0]['dtype']}: median time "
+            f"{backend}, {mode}, d={d}, batch x heads={batch}, {rows[0]['dtype']}: median time "
             "(x = time / polylin chunked time; ~ = extrapolated per token)"
         )
         lines.append("      T " + "".join(f"{m:>20}" for m in methods) + "   chunked GEMM%")
         for T in lens:
-            base = _median(report, backend, "chunked", T, d)
+            base = _median(report, backend, "chunked", T, d, mode)
             cells = []
             for m in methods:
-                row = _row(report, backend, m, T, d) or {}
+                row = _row(report, backend, m, T, d, mode) or {}
                 t = row.get("median_s")
                 if t is None:
                     cells.append(f"{'-':>20}")
@@ -169,7 +96,7 @@ def summarize(report: dict) -> str:
                 mark = "~" if row.get("extrapolated") else ""
                 ratio = f" ({t / base:.1f}x)" if base and m != "chunked" else ""
                 cells.append(f"{mark + _fmt_time(t) + ratio:>20}")
-            frac = (_row(report, backend, "chunked", T, d) or {}).get("gemm_fraction")
+            frac = (_row(report, backend, "chunked", T, d, mode) or {}).get("gemm_fraction")
             frac_s = f"{100 * frac:13.0f}%" if frac is not None else f"{'-':>14}"
             lines.append(f"{T:>7} " + "".join(cells) + " " + frac_s)
         mem_rows = [r for r in rows if r.get("peak_bytes") is not None]
@@ -243,21 +170,20 @@ def plot(report: dict, path: Path) -> Path | None:
     if not dims:
         return None
     fig, axes = plt.subplots(2, len(dims), figsize=(6 * len(dims), 8), squeeze=False)
-    series = list(dict.fromkeys((r["backend"], r["method"]) for r in results))
+    series = list(dict.fromkeys((r["backend"], r["method"], _key(r)[4]) for r in results))
     styles = {"numpy": "-", "torch": "--"}
     for col, d in enumerate(dims):
         ax_t, ax_m = axes[0][col], axes[1][col]
-        for backend, method in series:
+        for backend, method, mode in series:
             rows = sorted(
                 (r for r in results
-                 if (r["backend"], r["method"], r["d"]) == (backend, method, d)
-                 and r.get("median_s")),
+                 if _key(r) == (backend, method, r["T"], d, mode) and r.get("median_s")),
                 key=lambda r: r["T"],
             )
             if not rows:
                 continue
             style = styles.get(backend, ":")
-            label = f"{method} ({backend})"
+            label = f"{method} ({backend})" + ("" if mode == "forward" else f", {mode}")
             timed = [r for r in rows if not r.get("extrapolated")]
             line = None
             if timed:

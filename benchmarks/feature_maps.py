@@ -1,12 +1,12 @@
 """Feature-map measurements: approximation of softmax attention, and backward memory.
 
-``python -m polylin.bench.feature_maps approx`` prints the table of ``docs/feature_maps.md``:
+``python benchmarks/run.py feature-maps approx`` prints the table of ``docs/feature_maps.md``:
 for each feature map (and number of features), the relative error of linear attention with it
 against exact softmax attention ``softmax(Q K^T / sqrt(d)) V`` on the same random inputs, causal
 and non-causal, averaged over seeds (each seed draws new inputs and, for FAVOR+, a new
 projection). All in float64 NumPy, so the error is the map's, not round-off.
 
-``python -m polylin.bench.feature_maps memory`` measures what the backward pass of PyTorch
+``python benchmarks/run.py feature-maps memory`` measures what the backward pass of PyTorch
 autograd keeps alive for each method at T = 4096: the bytes of the tensors saved for backward
 (``torch.autograd.graph.saved_tensors_hooks``, distinct storages, the inputs themselves not
 counted), and on a CUDA device also the peak allocated memory of forward + backward. It prints
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import METHODS, causal_linear_attention, linear_attention
-from ..feature_maps import dpfp, elu_plus_one, favor_plus, relu, taylor_exp
+from polylin import METHODS, causal_linear_attention, linear_attention
+from polylin.feature_maps import dpfp, elu_plus_one, favor_plus, relu, taylor_exp
 
 __all__ = ["approximation_table", "backward_memory", "main", "softmax_attention"]
 
@@ -111,7 +111,7 @@ def approximation_table(
 
     Examples
     --------
-    >>> from polylin.bench.feature_maps import approximation_table
+    >>> from benchmarks.feature_maps import approximation_table
     >>> rows = approximation_table(dim=4, seq_len=16, seeds=(0,), favor_features=(8,))
     >>> [row["map"] for row in rows][:3]
     ['uniform weights (baseline)', 'elu_plus_one', 'relu']
@@ -196,7 +196,7 @@ def backward_memory(
 
     Examples
     --------
-    >>> from polylin.bench.feature_maps import backward_memory
+    >>> from benchmarks.feature_maps import backward_memory
     >>> rows = backward_memory(seq_len=64, dim=4, chunk_size=16)
     >>> [row["method"] for row in rows]
     ['chunked', 'recurrent', 'quadratic']
@@ -263,7 +263,7 @@ def _print_memory(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m polylin.bench.feature_maps {approx,memory} [options]``.
+    """Command line: ``python benchmarks/run.py feature-maps {approx,memory} [options]``.
 
     Parameters
     ----------
@@ -277,14 +277,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Examples
     --------
-    >>> from polylin.bench.feature_maps import main
+    >>> from benchmarks.feature_maps import main
     >>> main(["memory", "--seq-len", "32", "--dim", "4", "--chunk-size", "8"])  # doctest: +ELLIPSIS
     backward memory: ...
     | chunked | ... | 1.0 | - | - |
     ...
     0
     """
-    parser = argparse.ArgumentParser(prog="python -m polylin.bench.feature_maps")
+    parser = argparse.ArgumentParser(prog="python benchmarks/run.py feature-maps")
     sub = parser.add_subparsers(dest="command", required=True)
     approx = sub.add_parser("approx", help="approximation error to softmax attention")
     approx.add_argument("--dim", type=int, default=16)

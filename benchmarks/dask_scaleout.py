@@ -1,6 +1,6 @@
 """Scale-out demonstration: causal linear attention on a ``dask.distributed`` cluster.
 
-``python -m polylin bench-dask`` generates queries, keys and values lazily with a seeded
+``python benchmarks/run.py dask`` generates queries, keys and values lazily with a seeded
 ``dask.array`` random generator, several times larger in total than one worker's memory limit,
 chunked along the batch and head axes so that one task chain holds one chunk of a few heads. The
 unchanged :func:`polylin.causal_linear_attention` builds the task graph; each output chunk is
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import causal_linear_attention
+from polylin import causal_linear_attention
 
 __all__ = ["add_arguments", "build_graph", "eager_chunk_seconds", "run", "scaleout"]
 
@@ -367,7 +367,7 @@ def scaleout(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
     return {
-        "command": "python -m polylin bench-dask" + (" --quick" if args.quick else ""),
+        "command": "python benchmarks/run.py dask" + (" --quick" if args.quick else ""),
         "shape": [sizes["batch"], sizes["heads"], sizes["seq_len"], sizes["dim"]],
         "dtype": args.dtype,
         "chunk_size": args.chunk_size,
@@ -382,7 +382,7 @@ def scaleout(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``python -m polylin bench-dask``: run, print, write the JSON."""
+    """Entry point of ``python benchmarks/run.py dask``: run, print, write the JSON."""
     results = scaleout(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""How the CPU benchmark measures: medians after warm-up, peak memory, a progress bar.
+"""How every benchmark measures: one timer, peak memory, the GEMM rate, run metadata, progress.
 
 Times are wall-clock medians of repeats after a warm-up call, each stopped by the backend's
 synchronization (device work and lazy graphs are finished inside the timer). Peak memory is
@@ -11,7 +11,9 @@ no counters of its own; on CUDA, ``torch.cuda.max_memory_allocated``); other bac
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import platform
 import resource
 import statistics
 import sys
@@ -21,9 +23,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from ..testing import Backend
+from polylin.testing import Backend
 
-__all__ = ["Progress", "Timing", "gemm_rate", "peak_memory", "time_call"]
+from .model import gemm_flops
+
+__all__ = ["Progress", "Timing", "gemm_rate", "peak_memory", "run_metadata", "time_call"]
 
 
 @dataclass
@@ -49,13 +53,6 @@ def time_call(
     ``budget_s`` caps the time spent on repeats: a call that takes 2 s with a 3 s budget gets
     one repeat. Page faults (``ru_minflt``) are counted over the timed calls.
 
-    Examples
-    --------
-    >>> from polylin.bench.measure import time_call
-    >>> from polylin.testing import Backend
-    >>> t = time_call(Backend.NUMPY, lambda: sum(range(100)), repeats=3, budget_s=1.0)
-    >>> len(t.times)
-    3
     """
     start = time.perf_counter()
     backend.synchronize(fn())
@@ -75,13 +72,6 @@ def time_call(
 def peak_memory(backend: Backend, fn: Callable[[], Any]) -> int | None:
     """Peak bytes allocated during one call of ``fn`` beyond what existed before it.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from polylin.bench.measure import peak_memory
-    >>> from polylin.testing import Backend
-    >>> peak_memory(Backend.NUMPY, lambda: np.ones(1000) + 1) >= 8000
-    True
     """
     if backend in (Backend.NUMPY, Backend.ARRAY_API_STRICT):
         tracemalloc.start()
@@ -141,37 +131,48 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def gemm_rate(backend: Backend, n: int, *, repeats: int = 3) -> float:
-    """Float32 ``n x n @ n x n`` matrix multiply rate of ``backend``, in flop/s (median).
+def gemm_rate(backend: Backend, n: int, *, dtype: str = "float32", repeats: int = 3) -> float:
+    """``n x n @ n x n`` matrix multiply rate of ``backend`` in ``dtype``, in flop/s (median).
 
-    Examples
-    --------
-    >>> from polylin.bench.measure import gemm_rate
-    >>> from polylin.testing import Backend
-    >>> gemm_rate(Backend.NUMPY, 64) > 0
-    True
     """
     import numpy as np
 
     rng = np.random.default_rng(0)
-    a, b = (backend.from_numpy(rng.standard_normal((n, n)), "float32") for _ in range(2))
+    a, b = (backend.from_numpy(rng.standard_normal((n, n)), dtype) for _ in range(2))
     xp = backend.namespace()
     timing = time_call(backend, lambda: xp.matmul(a, b), repeats=repeats, budget_s=10.0)
-    return 2.0 * n**3 / timing.median
+    return gemm_flops(n) / timing.median
+
+
+def run_metadata(command: str, **extra: Any) -> dict[str, Any]:
+    """What a report needs to be read right: versions, machine, threads, load, start time."""
+    from polylin import __version__
+
+    meta: dict[str, Any] = {
+        "polylin": __version__, "python": platform.python_version(),
+        "platform": platform.platform(), "machine": platform.machine(),
+        "processor": platform.processor(), "cpu_count": os.cpu_count(),
+        "command": command,
+        "load_average_start": list(os.getloadavg()),
+        "thread_env": {
+            name: os.environ[name]
+            for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+            if name in os.environ
+        },
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    for name in ("numpy", "torch"):
+        with contextlib.suppress(ImportError):
+            meta[name] = importlib.import_module(name).__version__
+    if "torch" in meta:
+        meta["torch_threads"] = importlib.import_module("torch").get_num_threads()
+    meta.update(extra)
+    return meta
 
 
 class Progress:
     """A one-line progress bar on stderr (``\\r``-updated), with the elapsed time.
 
-    Examples
-    --------
-    >>> import io
-    >>> from polylin.bench.measure import Progress
-    >>> stream = io.StringIO()
-    >>> bar = Progress(2, stream=stream, width=4)
-    >>> bar.step("first"); bar.step("second"); bar.close()
-    >>> stream.getvalue().split("\\r")[-1].startswith("[####] 2/2")
-    True
     """
 
     def __init__(self, total: int, *, stream: TextIO | None = None, width: int = 24) -> None:

@@ -1,13 +1,14 @@
-"""What the CPU benchmark compares polylin's chunked form with, and how many flops it counts.
+"""What the benchmarks compare polylin with.
 
-- :func:`seed_loop`: the design note's per-token PyTorch loop, as written (``elu + 1``, one
+- :func:`seed_loop`: the original per-token PyTorch loop, as written (``elu + 1``, one
   ``einsum`` per token);
 - :func:`plain_chunked`: a plain, unblocked chunked form in array-API code (``elu + 1``, a
   ``cumulative_sum`` over the chunk states, a ``tril`` mask, batched matmuls, every
   intermediate materialized for the whole sequence): what a first implementation looks like;
 - :func:`sdpa`: PyTorch's ``scaled_dot_product_attention(is_causal=True)``, the softmax
   attention users would otherwise pick (a different function: timed, not compared);
-- :func:`chunked_useful_flops`: the flop count behind the "fraction of the GEMM rate" figure.
+- :func:`fla_chunk`: flash-linear-attention's ``chunk_linear_attn`` (Triton, CUDA only) on
+  polylin's inputs and feature map.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from typing import Any
 
 import array_api_compat
 
-from ..feature_maps import elu_plus_one
+from polylin.feature_maps import elu_plus_one
 
-__all__ = ["chunked_useful_flops", "plain_chunked", "sdpa", "seed_loop"]
+__all__ = ["fla_chunk", "load_fla", "plain_chunked", "sdpa", "seed_loop", "to_fla_layout"]
 
 
 def seed_loop(q: Any, k: Any, v: Any, eps: float = 1e-6) -> Any:
-    """The design note's causal linear attention, one token at a time (PyTorch, as written).
+    """The original causal linear attention loop, one token at a time (PyTorch, as written).
 
     Parameters
     ----------
@@ -41,7 +42,7 @@ def seed_loop(q: Any, k: Any, v: Any, eps: float = 1e-6) -> Any:
     Examples
     --------
     >>> import torch
-    >>> from polylin.bench.baselines import seed_loop
+    >>> from benchmarks.baselines import seed_loop
     >>> q, k, v = torch.randn(3, 2, 5, 4, dtype=torch.float64)
     >>> out = seed_loop(q, k, v)
     >>> out.shape
@@ -94,7 +95,7 @@ def plain_chunked(q: Any, k: Any, v: Any, /, *, chunk_size: int = 64, eps: float
     --------
     >>> import numpy as np
     >>> from polylin import causal_linear_attention
-    >>> from polylin.bench.baselines import plain_chunked
+    >>> from benchmarks.baselines import plain_chunked
     >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 50, 8))
     >>> bool(np.allclose(plain_chunked(q, k, v, chunk_size=16), causal_linear_attention(q, k, v)))
     True
@@ -132,7 +133,7 @@ def sdpa(q: Any, k: Any, v: Any) -> Any:
     Examples
     --------
     >>> import torch
-    >>> from polylin.bench.baselines import sdpa
+    >>> from benchmarks.baselines import sdpa
     >>> q = k = v = torch.ones(2, 5, 4)
     >>> sdpa(q, k, v).shape
     torch.Size([2, 5, 4])
@@ -142,19 +143,32 @@ def sdpa(q: Any, k: Any, v: Any) -> Any:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def chunked_useful_flops(batch: int, T: int, d_k: int, d_v: int, chunk_size: int) -> int:
-    """Flops of the chunked form that contribute to the result.
+def load_fla(device: str) -> tuple[Any, str]:
+    """``fla.ops.linear_attn.chunk_linear_attn`` and fla's version; raises ``ImportError``."""
+    if device != "cuda":
+        raise ImportError("fla not run: its Triton kernels need a CUDA device")
+    try:
+        import fla  # optional: only on the GPU machine, carried as a wheel
+        from fla.ops.linear_attn import chunk_linear_attn
+    except Exception as exc:  # ImportError, or a Triton/torch mismatch raising something else
+        raise ImportError(f"fla not importable ({type(exc).__name__}: {exc})") from None
+    return chunk_linear_attn, str(getattr(fla, "__version__", "unknown"))
 
-    Per token: ``2 d_k d_v`` for the state increment ``K^T V``, ``2 d_k d_v`` for the read-out
-    ``Q S``, and the causal half of the intra-chunk products, ``C d_k`` for ``Q K^T`` and
-    ``C d_v`` for the masked scores times ``V``. The normalizer column and the masked-out upper
-    triangles are not counted, so the figure errs low.
 
-    Examples
-    --------
-    >>> from polylin.bench.baselines import chunked_useful_flops
-    >>> chunked_useful_flops(8, 4096, 64, 64, 64) / 1e9  # GFLOP
-    0.805306368
+def fla_chunk(chunk_linear_attn: Any, q: Any, k: Any, v: Any) -> Any:
+    """fla's chunked linear attention on ``(..., H, T, D)`` tensors with polylin's feature map.
+
+    fla wants ``(B, T, H, D)`` and applies no feature map: ``elu(x) + 1`` goes in first.
+    ``scale=1.0``: fla's normalizer is ``(scale q) . cumsum(k) + 1e-10``, so the scale only
+    moves that epsilon. The caller converts the layout outside its timer with
+    :func:`to_fla_layout`; the output comes back in fla's layout.
     """
-    chunk = min(chunk_size, T)
-    return batch * T * (4 * d_k * d_v + chunk * (d_k + d_v))
+    import torch.nn.functional as F
+
+    out, _ = chunk_linear_attn(F.elu(q) + 1.0, F.elu(k) + 1.0, v, scale=1.0, normalize=True)
+    return out
+
+
+def to_fla_layout(x: Any) -> Any:
+    """``(B, H, T, D)`` to fla's ``(B, T, H, D)`` (and back: the same swap)."""
+    return x.transpose(1, 2).contiguous()

@@ -1,12 +1,13 @@
-"""The GPU benchmark behind ``python -m polylin bench-gpu`` (run by ``backends/gpu-check.sh``).
+"""The GPU benchmark: ``python benchmarks/run.py gpu`` (run by ``backends/gpu-check.sh``).
 
-What it times, on the same inputs ``(batch, heads, T, d)``:
+What it times, on the same inputs ``(batch, heads, T, d)``, with the implementations of
+:mod:`benchmarks.registry`:
 
-- ``polylin_chunked`` on PyTorch (``torch:cuda``) and on CuPy (float32 only: CuPy has no
+- ``chunked`` on PyTorch (``torch:cuda``) and on CuPy (float32 only: CuPy has no
   bfloat16), forward and, for PyTorch, forward + backward (``out.sum().backward()``);
-- ``polylin_chunked_tf32``: the same PyTorch call with TF32 matmuls switched on for the call only
+- ``chunked_tf32``: the same PyTorch call with TF32 matmuls switched on for the call only
   (float32 inputs), to show what the precision setting is worth;
-- ``masked_quadratic``: polylin's masked kernel form, skipped where its T x T matrices would not
+- ``quadratic``: polylin's masked kernel form, skipped where its T x T matrices would not
   fit a memory cap;
 - ``sdpa``: PyTorch's ``scaled_dot_product_attention(is_causal=True)`` (softmax attention: a
   different function, timed only), restricted to the flash kernel, else the memory-efficient one;
@@ -14,13 +15,15 @@ What it times, on the same inputs ``(batch, heads, T, d)``:
   flash-linear-attention, when it can be imported, on the same inputs converted to its
   ``(B, T, H, D)`` layout (outside the timer) with polylin's ``elu(x) + 1`` applied to q and k
   inside the timed call;
-- ``seed_loop``: the design note's per-token PyTorch loop, timed at a short length; its cost at
+- ``seed_loop``: the original per-token PyTorch loop, timed at a short length; its cost at
   every other length is the per-token cost times T, recorded as an *extrapolation*.
 
 Every output is compared with polylin's float64 chunked result on the same device
 (``max_abs_diff_vs_float64``) and checked to be on the input's device. Times are medians of
-repeats after a warm-up, each stopped by the backend's synchronization. Results go to JSON after
-every cell (so a run cut short keeps what it measured) and to a PNG when matplotlib is there.
+repeats after a warm-up, each stopped by the backend's synchronization (the timer, the flop
+model, the run metadata and the targets file are those of the CPU benchmark). Results go to
+JSON after every cell (so a run cut short keeps what it measured) and to a PNG when matplotlib
+is there.
 
 ``--device cpu`` runs the same code paths on the CPU with NumPy standing in for CuPy; the test
 suite uses it as a smoke test with tiny sizes. Nothing here changes global precision settings:
@@ -30,39 +33,49 @@ the TF32 variant sets and restores them around its own call.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
-import statistics
 import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, causal_linear_attention, masked_kernel_attention
-from ..testing import Backend
-from .baselines import seed_loop  # the design note's loop, shared with the CPU benchmark
+from polylin import causal_linear_attention
+from polylin.testing import Backend
 
-__all__ = ["DEFAULT_SEQ_LENS", "SCHEMA", "add_arguments", "run", "seed_loop", "summarize"]
+from . import baselines
+from . import targets as target_file
+from .model import chunked_useful_flops, gemm_flops, quadratic_bytes
+from .registry import MODES, REGISTRY, Setup, Skip, _float32_matmul_precision, make_call
+from .timing import run_metadata, time_call
+
+__all__ = ["DEFAULT_SEQ_LENS", "JSON_NAME", "PNG_NAME", "SCHEMA", "add_arguments", "run",
+           "summarize"]
 
 #: Version tag of the JSON report; bump it when fields change meaning.
-SCHEMA = "polylin-bench-gpu/1"
+#: 2: implementations named as in the registry, the shared flop model, targets with cells.
+SCHEMA = "polylin-bench-gpu/2"
 
 #: Sequence lengths, 8k first: the targets are stated at T = 8k, so a run cut short by its time
 #: budget still has them.
 DEFAULT_SEQ_LENS = (8192, 1024, 2048, 4096, 16384, 32768, 65536)
 
-PASSES = ("forward", "forward+backward")
+PASSES = MODES
 JSON_NAME = "bench-gpu.json"
 PNG_NAME = "bench-gpu.png"
 
-
-class _Skip(Exception):
-    """An implementation cannot run this cell; the message says why."""
+#: What runs in each cell: (implementation, backend role). The "second" backend is CuPy on
+#: CUDA (NumPy with --device cpu), fed the torch inputs through DLPack.
+RUNS = (
+    ("chunked", "torch"),
+    ("chunked_tf32", "torch"),
+    ("chunked", "second"),
+    ("quadratic", "torch"),
+    ("sdpa", "torch"),
+    ("fla_chunk", "torch"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,13 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Examples
     --------
     >>> import argparse
-    >>> from polylin.bench.gpu import add_arguments
-    >>> p = argparse.ArgumentParser()
-    >>> add_arguments(p)
-    >>> args = p.parse_args(["--device", "cpu", "--seq-lens", "64", "--dims", "8"])
-    >>> args.device, args.seq_lens, args.dims, args.dtypes
-    ('cpu', [64], [8], ['float32', 'bfloat16'])
-    """
+XX    """
     a = parser.add_argument
     a("--device", choices=("cuda", "cpu"), default="cuda",
       help="cuda: torch:cuda and CuPy (default); cpu: torch and NumPy (smoke test)")
@@ -126,19 +133,11 @@ class _Context:
     deadline: float | None
     report: dict
     out_dir: Path
-    fla: Callable | None = None
-    fla_reason: str | None = None
     seed_done: set = field(default_factory=set)
 
     @property
     def on_cuda(self) -> bool:
         return self.args.device == "cuda"
-
-    def sync(self, x: Any = None) -> Any:
-        if self.on_cuda:
-            # Device-wide: also waits for CuPy's stream (cudaDeviceSynchronize).
-            self.torch.cuda.synchronize()
-        return x
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
@@ -148,43 +147,6 @@ class _Context:
             self.torch.cuda.empty_cache()
             if self.second_backend is Backend.CUPY and self.second_backend.available():
                 self.second_backend.module().get_default_memory_pool().free_all_blocks()
-
-
-def _time(ctx: _Context, fn: Callable[[], Any]) -> tuple[Any, list[float]]:
-    """Warm up once, then time up to ``repeats`` runs (fewer when one run is slow)."""
-    start = time.perf_counter()
-    out = ctx.sync(fn())
-    warm = time.perf_counter() - start
-    repeats = max(1, min(ctx.args.repeats, int(ctx.args.max_seconds / max(warm, 1e-9))))
-    times: list[float] = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = ctx.sync(fn())
-        times.append(time.perf_counter() - start)
-    return out, times
-
-
-@contextlib.contextmanager
-def _float32_matmul_precision(torch: Any, precision: str) -> Iterator[None]:
-    """Set torch's float32 matmul precision for a block and restore the caller's setting."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
-def _load_fla(device: str) -> tuple[Callable, str]:
-    """``fla.ops.linear_attn.chunk_linear_attn`` and fla's version, or raise :class:`_Skip`."""
-    if device != "cuda":
-        raise _Skip("fla not run: its Triton kernels need a CUDA device")
-    try:
-        import fla  # optional: only on the GPU machine, carried as a wheel
-        from fla.ops.linear_attn import chunk_linear_attn
-    except Exception as exc:  # ImportError, or a Triton/torch mismatch raising something else
-        raise _Skip(f"fla not importable ({type(exc).__name__}: {exc})") from None
-    return chunk_linear_attn, str(getattr(fla, "__version__", "unknown"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,137 +162,6 @@ class _Cell:
     k: Any
     v: Any
     oracle: Any  # polylin float64 chunked output on the device
-
-
-def _leaves(torch: Any, *xs: Any) -> list[Any]:
-    return [x.detach().clone().requires_grad_(True) for x in xs]
-
-
-def _backward_of(torch: Any, forward: Callable[..., Any], leaves: list[Any]) -> Callable[[], None]:
-    def run() -> None:
-        for x in leaves:
-            x.grad = None
-        forward(*leaves).sum().backward()
-
-    return run
-
-
-def _impl_polylin_torch(ctx: _Context, c: _Cell, *, tf32: bool = False) -> dict:
-    torch, C = ctx.torch, ctx.args.chunk_size
-    if tf32 and (c.dtype != "float32" or not ctx.on_cuda):
-        raise _Skip("TF32 applies to float32 matmuls on CUDA only")
-
-    def forward(q: Any, k: Any, v: Any) -> Any:
-        if tf32:
-            with _float32_matmul_precision(torch, "high"):
-                return causal_linear_attention(q, k, v, chunk_size=C)
-        return causal_linear_attention(q, k, v, chunk_size=C)
-
-    passes = {"forward": (lambda: forward(c.q, c.k, c.v), lambda out: out)}
-    if not ctx.args.no_backward and not tf32:
-        passes["forward+backward"] = (_backward_of(torch, forward, _leaves(torch, c.q, c.k, c.v)),
-                                      None)
-    return passes
-
-
-def _impl_polylin_second(ctx: _Context, c: _Cell) -> dict:
-    backend, torch = ctx.second_backend, ctx.torch
-    reason = backend.unavailable_reason()
-    if reason is not None:
-        raise _Skip(f"{backend}: {reason}")
-    if c.dtype == "bfloat16":
-        raise _Skip(f"{backend} has no bfloat16")
-    mod = backend.module()
-    # DLPack: the very same device memory as the torch inputs, no host round trip.
-    q, k, v = (mod.from_dlpack(x.detach()) for x in (c.q, c.k, c.v))
-    C = ctx.args.chunk_size
-
-    def back(out: Any) -> Any:
-        return torch.from_dlpack(out)
-
-    return {"forward": (lambda: causal_linear_attention(q, k, v, chunk_size=C), back)}
-
-
-def _impl_quadratic(ctx: _Context, c: _Cell) -> dict:
-    torch = ctx.torch
-    cap = ctx.args.quadratic_max_gib
-    if cap is None:
-        cap = 24.0 if ctx.on_cuda else 1.0
-    bh = c.q.shape[0] * c.q.shape[1]
-    need = 3 * bh * c.T * c.T * 4 / 2**30  # scores, mask product, normalizer pass (float32)
-    if need > cap:
-        raise _Skip(f"T x T matrices need ~{need:.0f} GiB > cap {cap:g} GiB")
-    passes = {"forward": (lambda: masked_kernel_attention(c.q, c.k, c.v), lambda out: out)}
-    if not ctx.args.no_backward:
-        passes["forward+backward"] = (
-            _backward_of(torch, masked_kernel_attention, _leaves(torch, c.q, c.k, c.v)), None)
-    return passes
-
-
-def _impl_sdpa(ctx: _Context, c: _Cell) -> dict:
-    torch = ctx.torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    # Never the math fallback on the GPU: it builds the T x T matrix.
-    candidates = [("flash", SDPBackend.FLASH_ATTENTION),
-                  ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
-    if not ctx.on_cuda:
-        candidates.append(("math", SDPBackend.MATH))
-    q1, k1, v1 = (x[:, :1, :64] for x in (c.q, c.k, c.v))  # a cheap probe of kernel support
-    errors = []
-    for name, kernel in candidates:
-        try:
-            with warnings.catch_warnings(), sdpa_kernel([kernel]):
-                warnings.simplefilter("ignore")
-                sdpa(q1, k1, v1, is_causal=True)
-        except RuntimeError as exc:
-            errors.append(f"{name}: {str(exc).splitlines()[0][:120]}")
-            continue
-
-        def forward(q: Any, k: Any, v: Any, kernel: Any = kernel) -> Any:
-            with sdpa_kernel([kernel]):
-                return sdpa(q, k, v, is_causal=True)
-
-        passes = {"forward": (lambda: forward(c.q, c.k, c.v), None)}
-        if not ctx.args.no_backward:
-            passes["forward+backward"] = (
-                _backward_of(torch, forward, _leaves(torch, c.q, c.k, c.v)), None)
-        passes["variant"] = name
-        return passes
-    raise _Skip("no SDPA kernel without the T x T matrix: " + "; ".join(errors))
-
-
-def _impl_fla(ctx: _Context, c: _Cell) -> dict:
-    torch = ctx.torch
-    if ctx.fla is None:
-        raise _Skip(ctx.fla_reason or "fla not importable")
-    chunk_linear_attn = ctx.fla
-    # fla wants (B, T, H, D); converted once, outside the timer.
-    q, k, v = (x.transpose(1, 2).contiguous() for x in (c.q, c.k, c.v))
-
-    def forward(q: Any, k: Any, v: Any) -> Any:
-        # fla applies no feature map: polylin's elu(x) + 1 goes in first. scale=1.0: fla's
-        # normalizer is (scale q) . cumsum(k) + 1e-10, so the scale only moves that epsilon.
-        phi_q = torch.nn.functional.elu(q) + 1.0
-        phi_k = torch.nn.functional.elu(k) + 1.0
-        out, _ = chunk_linear_attn(phi_q, phi_k, v, scale=1.0, normalize=True)
-        return out
-
-    passes = {"forward": (lambda: forward(q, k, v), lambda out: out.transpose(1, 2))}
-    if not ctx.args.no_backward:
-        passes["forward+backward"] = (_backward_of(torch, forward, _leaves(torch, q, k, v)), None)
-    return passes
-
-
-IMPLS: dict[str, Callable[[_Context, _Cell], dict]] = {
-    "polylin_chunked": _impl_polylin_torch,
-    "polylin_chunked_tf32": lambda ctx, c: _impl_polylin_torch(ctx, c, tf32=True),
-    "polylin_chunked@second": _impl_polylin_second,
-    "masked_quadratic": _impl_quadratic,
-    "sdpa": _impl_sdpa,
-    "fla_chunk": _impl_fla,
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,12 +184,22 @@ def _record(report: dict, **fields: Any) -> dict:
     return fields
 
 
-def _measure_impl(ctx: _Context, cell: _Cell, name: str) -> None:
-    base = {"T": cell.T, "d": cell.d, "dtype": cell.dtype, "impl": name.split("@")[0],
-            "backend": str(ctx.second_backend if name.endswith("@second") else ctx.torch_backend)}
+def _measure_impl(ctx: _Context, cell: _Cell, name: str, role: str) -> None:
+    impl = REGISTRY[name]
+    backend = ctx.torch_backend if role == "torch" else ctx.second_backend
+    base = {"T": cell.T, "d": cell.d, "dtype": cell.dtype, "impl": name, "backend": str(backend)}
+    setup = Setup(backend, dtype=cell.dtype, chunk_size=ctx.args.chunk_size, dim=cell.d,
+                  on_gpu=ctx.on_cuda)
     try:
-        passes = IMPLS[name](ctx, cell)
-    except _Skip as skip:
+        xs = _inputs_for(ctx, cell, backend)
+        if name == "quadratic":
+            cap = ctx.args.quadratic_max_gib
+            cap = (24.0 if ctx.on_cuda else 1.0) if cap is None else cap
+            need = quadratic_bytes(cell.q.shape[0] * cell.q.shape[1], cell.T, "float32") / 2**30
+            if need > cap:
+                raise Skip(f"T x T matrices need ~{need:.0f} GiB > cap {cap:g} GiB")
+        calls = {p: make_call(impl, setup, xs, p) for p in PASSES[:1]}
+    except Skip as skip:
         for p in PASSES:
             _record(ctx.report, **base, **{"pass": p}, status="skipped", reason=str(skip))
         return
@@ -367,35 +208,43 @@ def _measure_impl(ctx: _Context, cell: _Cell, name: str) -> None:
                 reason=f"{type(exc).__name__}: {str(exc)[:300]}")
         ctx.free()
         return
-    variant = passes.pop("variant", None)
+    variant = getattr(impl.build(setup), "variant", None) if name == "sdpa" else None
     for p in PASSES:
-        if p not in passes:
-            reason = "backward not run (--no-backward)" if ctx.args.no_backward else \
-                "forward only for this implementation"
-            _record(ctx.report, **base, **{"pass": p}, status="skipped", reason=reason)
-            continue
         if ctx.out_of_time():
             _record(ctx.report, **base, **{"pass": p}, status="skipped", reason="time budget")
             continue
-        fn, to_torch = passes[p]
-        rec = {**base, "pass": p}
+        rec: dict[str, Any] = {**base, "pass": p}
         if variant:
             rec["variant"] = variant
         try:
+            if p != "forward":
+                if ctx.args.no_backward:
+                    raise Skip("backward not run (--no-backward)")
+                if name == "chunked_tf32":
+                    raise Skip("forward only for this implementation")
+                calls[p] = make_call(impl, setup, xs, p)
+        except Skip as skip:
+            _record(ctx.report, **rec, status="skipped", reason=str(skip))
+            continue
+        try:
             if ctx.on_cuda:
                 ctx.torch.cuda.reset_peak_memory_stats()
-            out, times = _time(ctx, fn)
-            rec.update(status="ok", median_s=statistics.median(times), times_s=times,
-                       repeats=len(times))
-            if ctx.on_cuda and base["backend"] == "torch:cuda":
+            timing = time_call(backend, calls[p], repeats=ctx.args.repeats,
+                               budget_s=ctx.args.max_seconds)
+            out, timing.output = timing.output, None
+            rec.update(status="ok", median_s=timing.median, times_s=timing.times,
+                       repeats=len(timing.times))
+            if ctx.on_cuda and backend is Backend.TORCH_CUDA:
                 rec["peak_allocated_bytes"] = int(ctx.torch.cuda.max_memory_allocated())
-            if to_torch is not None and out is not None:
-                back = to_torch(out)
+            if p == "forward" and impl.compare and out is not None:
+                back = _to_torch(ctx, out, backend)
+                if impl.from_layout is not None:
+                    back = impl.from_layout(back)
                 rec["output_library"] = type(out).__module__.split(".")[0]
                 rec["output_device"] = str(back.device)
                 rec["output_on_input_device"] = back.device == cell.q.device
                 rec["max_abs_diff_vs_float64"] = _diff(ctx.torch, back, cell.oracle)
-            if name.startswith("polylin_chunked") and p == "forward":
+            if name.startswith("chunked") and p == "forward":
                 rec["model_flops"] = _chunked_flops(cell, ctx)
         except Exception as exc:  # OOM and friends: keep going with the next measurement
             rec.update(status="error", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -404,13 +253,26 @@ def _measure_impl(ctx: _Context, cell: _Cell, name: str) -> None:
         ctx.free()
 
 
+def _inputs_for(ctx: _Context, cell: _Cell, backend: Backend) -> list[Any]:
+    if backend is ctx.torch_backend:
+        return [cell.q, cell.k, cell.v]
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        raise Skip(f"{backend}: {reason}")
+    if cell.dtype == "bfloat16":
+        raise Skip(f"{backend} has no bfloat16")
+    # DLPack: the very same device memory as the torch inputs, no host round trip.
+    return [backend.module().from_dlpack(x.detach()) for x in (cell.q, cell.k, cell.v)]
+
+
+def _to_torch(ctx: _Context, out: Any, backend: Backend) -> Any:
+    return out if backend is ctx.torch_backend else ctx.torch.from_dlpack(out)
+
+
 def _chunked_flops(cell: _Cell, ctx: _Context) -> float:
-    """Matmul flops of the chunked forward (the model used for the hardware fraction)."""
+    """Useful flops of the chunked forward (the shared model, :mod:`benchmarks.model`)."""
     B, H = cell.q.shape[0], cell.q.shape[1]
-    T, d, C = cell.T, cell.d, min(ctx.args.chunk_size, cell.T)
-    # Q K^T (C x C per chunk), scores V and Q S with the ones column (d + 1), K^T V increments.
-    per_head = 2 * T * C * d + 2 * T * C * (d + 1) + 2 * 2 * T * d * (d + 1)
-    return float(B * H * per_head)
+    return float(chunked_useful_flops(B * H, cell.T, cell.d, cell.d, ctx.args.chunk_size))
 
 
 def _seed(ctx: _Context, cell: _Cell) -> None:
@@ -425,10 +287,12 @@ def _seed(ctx: _Context, cell: _Cell) -> None:
     rec = {"impl": "seed_loop", "backend": str(ctx.torch_backend), "d": cell.d,
            "dtype": cell.dtype, "T_measured": Ts, "pass": "forward"}
     try:
-        out, times = _time(ctx, lambda: seed_loop(q, k, v))
-        per_token = statistics.median(times) / Ts
+        timing = time_call(ctx.torch_backend, lambda: baselines.seed_loop(q, k, v),
+                           repeats=ctx.args.repeats, budget_s=ctx.args.max_seconds)
+        out, times = timing.output, timing.times
+        per_token = timing.median / Ts
         oracle = cell.oracle[:, :, :Ts, :].reshape(B * H, Ts, cell.d)  # causal: a prefix
-        rec.update(status="ok", median_s=statistics.median(times), times_s=times,
+        rec.update(status="ok", median_s=timing.median, times_s=times,
                    per_token_s=per_token, output_device=_device_of(out),
                    max_abs_diff_vs_float64=_diff(torch, out, oracle),
                    extrapolated_s={str(T): per_token * T for T in ctx.args.seq_lens},
@@ -450,11 +314,11 @@ def _matmul_rates(ctx: _Context) -> None:
             break
         a = torch.randn(n, n, device=ctx.device, dtype=getattr(torch, dtype))
         b = torch.randn(n, n, device=ctx.device, dtype=getattr(torch, dtype))
-        with (_float32_matmul_precision(torch, precision) if precision
-              else contextlib.nullcontext()):
-            _, times = _time(ctx, lambda a=a, b=b: torch.matmul(a, b))
-        ctx.report["matmul_tflops"][label] = 2 * n**3 / statistics.median(times) / 1e12
-        del a, b
+        with _float32_matmul_precision(precision or torch.get_float32_matmul_precision()):
+            timing = time_call(ctx.torch_backend, lambda a=a, b=b: torch.matmul(a, b),
+                               repeats=ctx.args.repeats, budget_s=ctx.args.max_seconds)
+        ctx.report["matmul_tflops"][label] = gemm_flops(n) / timing.median / 1e12
+        del a, b, timing
     ctx.report["matmul_size"] = n
     ctx.free()
 
@@ -489,11 +353,11 @@ def _ratios(report: dict) -> list[dict]:
     torch_b = report["backends"]["torch"]
     second_b = report["backends"]["second"]
     pairs = [
-        ("polylin_over_fla", ("polylin_chunked", torch_b), ("fla_chunk", torch_b)),
-        ("polylin_over_sdpa", ("polylin_chunked", torch_b), ("sdpa", torch_b)),
-        ("polylin_over_quadratic", ("polylin_chunked", torch_b), ("masked_quadratic", torch_b)),
-        ("second_over_torch", ("polylin_chunked", second_b), ("polylin_chunked", torch_b)),
-        ("tf32_over_highest", ("polylin_chunked_tf32", torch_b), ("polylin_chunked", torch_b)),
+        ("polylin_over_fla", ("chunked", torch_b), ("fla_chunk", torch_b)),
+        ("polylin_over_sdpa", ("chunked", torch_b), ("sdpa", torch_b)),
+        ("polylin_over_quadratic", ("chunked", torch_b), ("quadratic", torch_b)),
+        ("second_over_torch", ("chunked", second_b), ("chunked", torch_b)),
+        ("tf32_over_highest", ("chunked_tf32", torch_b), ("chunked", torch_b)),
     ]
     out = []
     keys = sorted({k[2:] for k in table})
@@ -507,30 +371,8 @@ def _ratios(report: dict) -> list[dict]:
 
 
 def _targets(report: dict) -> list[dict]:
-    """The issue's targets, judged only on what this run measured."""
-    ratios = report["ratios"]
-
-    def pick(label: str, pred: Callable[[dict], bool]) -> list[dict]:
-        return [r for r in ratios if r["ratio"] == label and pred(r)]
-
-    def judge(name: str, rows: list[dict], ok: Callable[[float], bool]) -> dict:
-        if not rows:
-            return {"target": name, "status": "not measured", "cells": []}
-        cells = [{**{k: r[k] for k in ("T", "d", "dtype", "pass")}, "ratio": r["value"],
-                  "met": ok(r["value"])} for r in rows]
-        return {"target": name, "status": "met" if all(c["met"] for c in cells) else "missed",
-                "cells": cells}
-
-    return [
-        judge("polylin torch chunked within 3x of fla chunk_linear_attn at T=8k, forward",
-              pick("polylin_over_fla", lambda r: r["T"] == 8192 and r["pass"] == "forward"),
-              lambda x: x <= 3.0),
-        judge("polylin torch chunked faster than SDPA (flash) from T=8k on",
-              pick("polylin_over_sdpa", lambda r: r["T"] >= 8192), lambda x: x < 1.0),
-        judge(f"{report['backends']['second']} within 1.5x of {report['backends']['torch']} "
-              "on the same inputs",
-              pick("second_over_torch", lambda r: True), lambda x: x <= 1.5),
-    ]
+    """The targets of ``benchmarks/targets.toml`` (``[[gpu]]``), judged on this run only."""
+    return target_file.evaluate(report, target_file.load("gpu"))
 
 
 def summarize(report: dict) -> str:
@@ -548,7 +390,7 @@ def summarize(report: dict) -> str:
 
     Examples
     --------
-    >>> from polylin.bench.gpu import summarize
+    >>> from benchmarks.gpu import summarize
     >>> print(summarize({"meta": {"device": "cpu"}, "results": [], "seed_loop": [],
     ...                  "ratios": [], "targets": []}))
     polylin bench-gpu on cpu: 0 measurements ok, 0 skipped, 0 errors
@@ -587,8 +429,9 @@ def summarize(report: dict) -> str:
     for t in report.get("targets", []):
         lines.append(f"target [{t['status']}]: {t['target']}")
         for c in t["cells"]:
-            lines.append(f"    T={c['T']} d={c['d']} {c['dtype']} {c['pass']}: ratio "
-                         f"{c['ratio']:.2f} {'met' if c['met'] else 'missed'}")
+            where = " ".join(f"{k}={c[k]}" for k in ("T", "d", "dtype", "pass") if k in c)
+            lines.append(f"    {where}: ratio {c['value']:.2f} "
+                         f"{'met' if c['met'] else 'missed'}")
     return "\n".join(lines)
 
 
@@ -654,31 +497,27 @@ def _plot(report: dict, out_dir: Path) -> Path | None:
 
 def _meta(ctx: _Context, argv: Sequence[str]) -> dict:
     torch = ctx.torch
-    meta = {
-        "polylin": __version__,
-        "device": ctx.args.device,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "argv": list(argv),
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "shape": {"batch": ctx.args.batch, "heads": ctx.args.heads,
-                  "chunk_size": ctx.args.chunk_size},
+    meta = run_metadata(
+        "python benchmarks/run.py gpu " + " ".join(argv),
+        device=ctx.args.device,
+        shape={"batch": ctx.args.batch, "heads": ctx.args.heads,
+               "chunk_size": ctx.args.chunk_size},
         # polylin never changes these; they are recorded so the numbers can be read right.
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "torch_allow_tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
-        "env": {k: os.environ.get(k) for k in ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "CUPY_TF32",
-                                                 "NVIDIA_TF32_OVERRIDE", "POLYLIN_BACKENDS")},
-        "timing": "median of up to --repeats runs after one warm-up, each ended by a device "
-                  "synchronize; inputs are made and converted outside the timer",
-        "fla": None,
-    }
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+        torch_allow_tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
+        env={k: os.environ.get(k) for k in ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "CUPY_TF32",
+                                            "NVIDIA_TF32_OVERRIDE", "POLYLIN_BACKENDS")},
+        timing="median of up to --repeats runs after one warm-up, each ended by the backend's "
+               "synchronize; inputs are made and converted outside the timer",
+        fla=None,
+    )
     if ctx.on_cuda:
         props = torch.cuda.get_device_properties(0)
         meta["device_name"] = props.name
         meta["device_memory_bytes"] = int(props.total_memory)
         meta["cuda"] = torch.version.cuda
     else:
-        meta["device_name"] = f"CPU ({platform.processor() or platform.machine()})"
+        meta["device_name"] = f"CPU ({meta['processor'] or meta['machine']})"
     return meta
 
 
@@ -695,25 +534,6 @@ def run(args: argparse.Namespace) -> int:
     int
         0 when it ran (measurements that failed are recorded, not raised), 2 when the device
         asked for is not there.
-
-    Examples
-    --------
-    >>> import argparse, json, tempfile
-    >>> from polylin.bench.gpu import add_arguments, run
-    >>> p = argparse.ArgumentParser(); add_arguments(p)
-    >>> out = tempfile.mkdtemp()
-    >>> args = p.parse_args(["--device", "cpu", "--seq-lens", "32", "--dims", "4",
-    ...                      "--dtypes", "float32", "--batch", "1", "--heads", "2",
-    ...                      "--repeats", "1", "--seed-loop-len", "8", "--no-plot",
-    ...                      "--out", out])
-    >>> import contextlib, io
-    >>> with contextlib.redirect_stdout(io.StringIO()):
-    ...     code = run(args)
-    >>> code
-    0
-    >>> report = json.load(open(out + "/bench-gpu.json"))
-    >>> sorted({r["impl"] for r in report["results"] if r["status"] == "ok"})
-    ['masked_quadratic', 'polylin_chunked', 'sdpa']
     """
     if args.summary_of:
         print(summarize(json.loads(Path(args.summary_of).read_text())))
@@ -721,10 +541,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError as exc:
-        print(f"bench-gpu needs PyTorch ({exc})", file=sys.stderr)
+        print(f"the GPU benchmark needs PyTorch ({exc})", file=sys.stderr)
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench-gpu --device cuda: no CUDA device here (use --device cpu for a smoke run)",
+        print("gpu --device cuda: no CUDA device here (use --device cpu for a smoke run)",
               file=sys.stderr)
         return 2
     torch_backend = Backend.TORCH_CUDA if args.device == "cuda" else Backend.TORCH
@@ -738,17 +558,16 @@ def run(args: argparse.Namespace) -> int:
                     "results": [], "seed_loop": [], "ratios": [], "targets": []}
     ctx = _Context(args, torch, torch.device(args.device), torch_backend, second, deadline,
                    report, out_dir)
-    report["meta"] = _meta(ctx, sys.argv)
+    report["meta"] = _meta(ctx, getattr(args, "argv", None) or sys.argv[2:])
     report["libraries"]["cupy"] = None
     if second is Backend.CUPY and second.available():
         report["libraries"]["cupy"] = second.module().__version__
     report["meta"]["second_backend_unavailable"] = second.unavailable_reason()
     try:
-        ctx.fla, fla_version = _load_fla(args.device)
+        _, fla_version = baselines.load_fla(args.device)
         report["meta"]["fla"] = f"fla {fla_version}: chunk_linear_attn(normalize=True, scale=1.0)"
-    except _Skip as skip:
-        ctx.fla_reason = str(skip)
-        report["meta"]["fla"] = str(skip)
+    except ImportError as exc:
+        report["meta"]["fla"] = str(exc)
     print(f"polylin bench-gpu: {report['meta']['device_name']}, torch {torch.__version__}, "
           f"second backend {second}, {report['meta']['fla']}", flush=True)
 
@@ -768,8 +587,8 @@ def run(args: argparse.Namespace) -> int:
                     reason=f"{type(exc).__name__}: {str(exc)[:300]}")
             ctx.free()
             continue
-        for name in IMPLS:
-            _measure_impl(ctx, cell, name)
+        for name, role in RUNS:
+            _measure_impl(ctx, cell, name, role)
         _seed(ctx, cell)
         del cell
         ctx.free()
@@ -786,15 +605,3 @@ def run(args: argparse.Namespace) -> int:
     print(summarize(report))
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m polylin.bench.gpu``: the same as ``python -m polylin bench-gpu``."""
-    parser = argparse.ArgumentParser(prog="python -m polylin.bench.gpu", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

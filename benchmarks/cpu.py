@@ -1,50 +1,51 @@
-"""The benchmark behind ``python -m polylin bench`` (and ``make bench``).
+"""The CPU benchmark: ``python benchmarks/run.py cpu`` (and ``make bench``).
 
-It sweeps method x backend x T x d on the CPU backends (NumPy and PyTorch by default, any other
-by ``--backends``), with the baselines in the same run:
+It sweeps implementation x backend x T x d on the CPU backends (NumPy and PyTorch by default,
+any other by ``--backends``), with the baselines in the same run (implementations from
+:mod:`benchmarks.registry`):
 
 - ``chunked``: polylin's default path (what is being measured);
-- ``plain``: a plain, unblocked chunked form in array-API code
-  (:func:`polylin.bench.baselines.plain_chunked`);
+- ``plain``: a plain, unblocked chunked form in array-API code;
 - ``quadratic``: polylin's masked kernel form, skipped where its T x T matrices would pass
   ``--quadratic-budget-mb``;
-- ``recurrent``: polylin's per-token form, and ``seed``: the design note's PyTorch loop as
+- ``recurrent``: polylin's per-token form, and ``seed``: the original PyTorch loop as
   written; both are timed up to ``--loop-max-len`` and extrapolated per token beyond
   (marked ``~`` in the table, ``"extrapolated": true`` in the JSON);
 - ``sdpa``: PyTorch's causal softmax attention (a different function, timed only).
 
-It also times a large float32 matmul per backend, so that the chunked path's useful flops per
-second can be given as a fraction of the machine's GEMM rate; decoding with
-:func:`polylin.step` at several positions; and the chunked path's peak memory for one long
-head. Times are medians of repeats after a warm-up; every ratio is taken within the same run.
-Results go to ``bench.json`` and, with matplotlib, ``bench.png`` in ``--out``.
+``--passes forward forward+backward`` also times the backward pass (PyTorch autograd,
+``jax.grad``) and its peak memory. It also times a large float32 matmul per backend, so that the
+chunked path's useful flops per second (:func:`benchmarks.model.chunked_useful_flops`) can be
+given as a fraction of the machine's GEMM rate; decoding with :func:`polylin.step` at several
+positions; and the chunked path's peak memory for one long head. Times are medians of repeats
+after a warm-up; every ratio is taken within the same run; the targets come from
+``benchmarks/targets.toml``. Results go to ``bench.json`` and, with matplotlib, ``bench.png``.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
-import platform
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..testing import Backend
+from polylin._policy import DEFAULT_CHUNK_SIZE
+from polylin.testing import Backend
 
-__all__ = ["METHODS", "SCHEMA", "add_arguments", "run"]
+from . import targets as target_file
+from .model import ITEMSIZE, chunked_useful_flops, quadratic_bytes
+from .registry import MODES, REGISTRY, Setup, Skip, make_call
+
+__all__ = ["JSON_NAME", "METHODS", "PNG_NAME", "SCHEMA", "add_arguments", "run"]
 
 #: Version tag of the JSON report; bump it when fields change meaning.
 SCHEMA = "polylin-bench/1"
 
-#: What the sweep can time; ``seed`` and ``sdpa`` are PyTorch-only.
+#: What the sweep times by default (``seed`` and ``sdpa`` run on PyTorch only).
 METHODS = ("chunked", "plain", "quadratic", "recurrent", "seed", "sdpa")
-
-#: Growth order of each method's time in T, used to skip calls predicted to be too slow.
-_ORDER = {"quadratic": 2, "sdpa": 2}
 
 #: (full default, --quick default) of the sizing flags.
 _DEFAULTS = {
@@ -60,9 +61,6 @@ _DEFAULTS = {
     "gemm_size": (2048, 64),
 }
 
-#: The reference lengths the targets are stated at.
-T_REF, T_LONG, D_GEMM = 4096, 16384, 128
-
 JSON_NAME, PNG_NAME = "bench.json", "bench.png"
 
 
@@ -74,8 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"backends to sweep (default: numpy torch; any of {', '.join(backends)})",
     )
     parser.add_argument(
-        "--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="NAME",
-        help=f"what to time (default: all of {', '.join(METHODS)})",
+        "--methods", nargs="+", default=list(METHODS), choices=sorted(REGISTRY), metavar="NAME",
+        help=f"implementations to time (default: {' '.join(METHODS)}; any of "
+        f"{', '.join(sorted(REGISTRY))})",
+    )
+    parser.add_argument(
+        "--passes", nargs="+", default=["forward"], choices=MODES, metavar="PASS",
+        help="forward, and/or forward+backward (out.sum().backward(), jax.grad) (default: "
+        "forward)",
     )
     parser.add_argument("--seq-lens", nargs="+", type=int, help="T values (256 ... 65536)")
     parser.add_argument("--dims", nargs="+", type=int, help="d = d_k = d_v values (64 128)")
@@ -143,32 +147,22 @@ def _usable(names: list[str]) -> tuple[list[Backend], dict[str, str]]:
     return usable, skipped
 
 
-def _is_torch(backend: Backend) -> bool:
-    return backend in (Backend.TORCH, Backend.TORCH_CUDA)
-
-
-def _default_chunk_size() -> int:
-    from .. import causal_linear_attention
-
-    return inspect.signature(causal_linear_attention).parameters["chunk_size"].default
-
-
-def _calls(args: argparse.Namespace, backend: Backend, xs: list[Any]) -> dict[str, Callable]:
-    from .. import causal_linear_attention
-    from .baselines import plain_chunked, sdpa, seed_loop
-
-    q, k, v = xs
-    chunk = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
-    calls = {
-        "chunked": lambda: causal_linear_attention(q, k, v, **chunk),
-        "plain": lambda: plain_chunked(q, k, v, chunk_size=args.chunk_size_used),
-        "quadratic": lambda: causal_linear_attention(q, k, v, method="quadratic"),
-        "recurrent": lambda: causal_linear_attention(q, k, v, method="recurrent"),
-    }
-    if _is_torch(backend):
-        calls["seed"] = lambda: seed_loop(q, k, v)
-        calls["sdpa"] = lambda: sdpa(q, k, v)
-    return {m: calls[m] for m in args.methods if m in calls}
+def _calls(
+    args: argparse.Namespace, backend: Backend, xs: list[Any], d: int, mode: str
+) -> dict[str, Callable[[], Any] | str]:
+    """Each implementation's call in ``mode``, or the reason it cannot run (skipped quietly
+    when it does not run on this backend at all)."""
+    setup = Setup(backend, dtype=args.dtype, chunk_size=args.chunk_size_used, dim=d)
+    calls: dict[str, Callable[[], Any] | str] = {}
+    for name in args.methods:
+        impl = REGISTRY[name]
+        if impl.unavailable(backend) is not None:
+            continue
+        try:
+            calls[name] = make_call(impl, setup, xs, mode)
+        except Skip as skip:
+            calls[name] = str(skip)
+    return calls
 
 
 def _inputs(backend: Backend, batch: int, T: int, d: int, dtype: str, seed: int = 0) -> list:
@@ -181,21 +175,16 @@ def _inputs(backend: Backend, batch: int, T: int, d: int, dtype: str, seed: int 
     ]
 
 
-def _itemsize(dtype: str) -> int:
-    return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}[dtype]
-
-
 def _skip_reason(
     args: argparse.Namespace, method: str, T: int, batch: int, last: tuple[int, float] | None
 ) -> str | None:
-    if method == "quadratic":
-        # the scores, the masked scores and the mask: about three T x T matrices per head
-        need = 3 * batch * T * T * _itemsize(args.dtype) / 2**20
+    if REGISTRY[method].order >= 2 and method != "sdpa":  # sdpa: flash kernels, no T x T
+        need = quadratic_bytes(batch, T, args.dtype) / 2**20
         if need > args.quadratic_budget_mb:
             return f"T x T matrices need ~{need:.0f} MB > --quadratic-budget-mb"
     if last is not None:
         T0, t0 = last
-        predicted = t0 * (T / T0) ** _ORDER.get(method, 1)
+        predicted = t0 * (T / T0) ** REGISTRY[method].order
         if predicted > args.max_call_seconds:
             return f"predicted {predicted:.1f} s per call > --max-call-seconds"
     return None
@@ -207,73 +196,83 @@ def _max_abs_diff(backend: Backend, a: Any, b: Any) -> float:
     return float(np.max(np.abs(backend.to_numpy(a) - backend.to_numpy(b)), initial=0.0))
 
 
+def _row_skip(args, method: str, T: int, last: dict) -> dict[str, Any] | None:
+    """The row's fields when ``method`` is not timed at ``T`` (extrapolated or skipped)."""
+    if REGISTRY[method].loop and T > args.loop_max_len:
+        if method in last:
+            T0, t0 = last[method]
+            return {"median_s": t0 / T0 * T, "extrapolated": True,
+                    "note": f"per-token time at T={T0} times T"}
+        return {"skipped": "longer than --loop-max-len, nothing to extrapolate"}
+    reason = _skip_reason(args, method, T, args.batch, last.get(method))
+    return None if reason is None else {"skipped": reason}
+
+
 def _sweep(args, backends, report, progress) -> None:
-    from .baselines import chunked_useful_flops
-    from .measure import peak_memory, time_call
+    from .timing import peak_memory, time_call
 
     for backend in backends:
         for d in args.dims:
-            last: dict[str, tuple[int, float]] = {}
-            for T in args.seq_lens:
-                xs = _inputs(backend, args.batch, T, d, args.dtype)
-                calls = _calls(args, backend, xs)
-                reference = None
-                for method, fn in calls.items():
-                    progress.show(f"{backend} d={d} T={T} {method}")
-                    row = {
-                        "backend": backend.value, "method": method, "T": T, "d": d,
-                        "batch": args.batch, "dtype": args.dtype,
-                        "input_bytes": 3 * args.batch * T * d * _itemsize(args.dtype),
-                    }
-                    loop = method in ("seed", "recurrent")
-                    if loop and T > args.loop_max_len:
-                        if method in last:
-                            T0, t0 = last[method]
-                            row.update(median_s=t0 / T0 * T, extrapolated=True)
-                            row["note"] = f"per-token time at T={T0} times T"
-                        else:
-                            row["skipped"] = "longer than --loop-max-len, nothing to extrapolate"
+            for mode in args.passes:
+                last: dict[str, tuple[int, float]] = {}
+                for T in args.seq_lens:
+                    xs = _inputs(backend, args.batch, T, d, args.dtype)
+                    reference = None
+                    for method, fn in _calls(args, backend, xs, d, mode).items():
+                        progress.show(f"{backend} d={d} T={T} {method} {mode}")
+                        row: dict[str, Any] = {
+                            "backend": backend.value, "method": method, "T": T, "d": d,
+                            "batch": args.batch, "dtype": args.dtype, "pass": mode,
+                            "input_bytes": 3 * args.batch * T * d * ITEMSIZE[args.dtype],
+                        }
+                        skipped = (
+                            {"skipped": fn} if isinstance(fn, str)
+                            else _row_skip(args, method, T, last)
+                        )
+                        if skipped is not None:
+                            row.update(skipped)
+                            report["results"].append(row)
+                            progress.step()
+                            continue
+                        assert not isinstance(fn, str)
+                        timing = time_call(
+                            backend, fn, repeats=args.repeats, budget_s=args.cell_seconds
+                        )
+                        last[method] = (T, timing.median)
+                        row.update(
+                            median_s=timing.median, times_s=timing.times,
+                            warmup_s=timing.warmup, minor_faults_per_call=timing.faults,
+                            extrapolated=False,
+                        )
+                        out, timing.output = timing.output, None
+                        if method == "chunked":
+                            reference = out
+                        elif reference is not None and REGISTRY[method].compare:
+                            row["max_abs_diff_vs_chunked"] = _max_abs_diff(
+                                backend, out, reference
+                            )
+                        del out
+                        if method in ("chunked", "plain") and mode == "forward":
+                            flops = chunked_useful_flops(
+                                args.batch, T, d, d, args.chunk_size_used
+                            )
+                            row["useful_flops"] = flops
+                            gemm = report["gemm_flops_per_s"].get(backend.value)
+                            if gemm:
+                                row["gemm_fraction"] = flops / timing.median / gemm
+                        if not args.no_memory and not REGISTRY[method].loop:
+                            row["peak_bytes"] = peak_memory(backend, fn)  # a loop's: outputs
                         report["results"].append(row)
                         progress.step()
-                        continue
-                    reason = _skip_reason(args, method, T, args.batch, last.get(method))
-                    if reason:
-                        row["skipped"] = reason
-                        report["results"].append(row)
-                        progress.step()
-                        continue
-                    timing = time_call(
-                        backend, fn, repeats=args.repeats, budget_s=args.cell_seconds
-                    )
-                    last[method] = (T, timing.median)
-                    row.update(
-                        median_s=timing.median, times_s=timing.times, warmup_s=timing.warmup,
-                        minor_faults_per_call=timing.faults, extrapolated=False,
-                    )
-                    out, timing.output = timing.output, None
-                    if method == "chunked":
-                        reference = out
-                    elif reference is not None and method != "sdpa":
-                        row["max_abs_diff_vs_chunked"] = _max_abs_diff(backend, out, reference)
-                    del out
-                    if method in ("chunked", "plain"):
-                        flops = chunked_useful_flops(args.batch, T, d, d, args.chunk_size_used)
-                        row["useful_flops"] = flops
-                        gemm = report["gemm_flops_per_s"].get(backend.value)
-                        if gemm:
-                            row["gemm_fraction"] = flops / timing.median / gemm
-                    if not args.no_memory and not loop:  # a loop's memory is its outputs
-                        row["peak_bytes"] = peak_memory(backend, fn)
-                    report["results"].append(row)
-                    progress.step()
-                del xs
+                    del xs
 
 
 def _decode(args, backends, report, progress) -> None:
     import numpy as np
 
-    from .. import LinearAttentionState, causal_linear_attention, step
-    from .measure import time_call
+    from polylin import LinearAttentionState, causal_linear_attention, step
+
+    from .timing import time_call
 
     d = args.dims[0]
     for backend in backends:
@@ -304,8 +303,9 @@ def _decode(args, backends, report, progress) -> None:
 
 
 def _memory_check(args, backends, report, progress) -> None:
-    from .. import causal_linear_attention
-    from .measure import peak_memory
+    from polylin import causal_linear_attention
+
+    from .timing import peak_memory
 
     if args.no_memory:
         return
@@ -314,71 +314,43 @@ def _memory_check(args, backends, report, progress) -> None:
         progress.show(f"{backend} memory check T={T}")
         q, k, v = _inputs(backend, 1, T, d, args.dtype, seed=3)
         peak = peak_memory(backend, lambda q=q, k=k, v=v: causal_linear_attention(q, k, v))
-        inputs = 3 * T * d * _itemsize(args.dtype)
+        inputs = 3 * T * d * ITEMSIZE[args.dtype]
         report["memory_check"].append({
             "backend": backend.value, "T": T, "d": d, "batch": 1, "dtype": args.dtype,
             "peak_bytes": peak, "input_bytes": inputs,
             "peak_over_inputs": None if peak is None else peak / inputs,
-            "t_by_t_bytes": T * T * _itemsize(args.dtype),
+            "t_by_t_bytes": T * T * ITEMSIZE[args.dtype],
         })
         progress.step()
         del q, k, v
 
 
-def _meta(args: argparse.Namespace, argv: list[str]) -> dict:
-    import numpy as np
-
-    from .. import __version__
-
-    meta = {
-        "polylin": __version__, "python": platform.python_version(),
-        "platform": platform.platform(), "machine": platform.machine(),
-        "processor": platform.processor(), "cpu_count": os.cpu_count(),
-        "numpy": np.__version__, "command": "python -m polylin bench " + " ".join(argv),
-        "chunk_size": args.chunk_size_used,
-        "load_average_start": list(os.getloadavg()),
-        "thread_env": {
-            name: os.environ[name]
-            for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-            if name in os.environ
-        },
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    try:
-        import torch
-
-        meta["torch"] = torch.__version__
-        meta["torch_threads"] = torch.get_num_threads()
-    except ImportError:
-        pass
-    return meta
-
-
 def _task_count(args: argparse.Namespace, backends: list[Backend]) -> int:
-    per_cell = 0
-    for backend in backends:
-        per_cell += sum(
-            1 for m in args.methods if m not in ("seed", "sdpa") or _is_torch(backend)
-        )
-    total = per_cell * len(args.dims) * len(args.seq_lens) + 2 * len(backends)
-    return total + len(backends) * len(args.decode_positions)
+    per_cell = sum(
+        1 for b in backends for m in args.methods if REGISTRY[m].unavailable(b) is None
+    )
+    total = per_cell * len(args.dims) * len(args.seq_lens) * len(args.passes)
+    return total + len(backends) * (2 + len(args.decode_positions))
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark: sweep, decode, memory check; print the summary; write JSON and PNG."""
     from . import report as reporting
-    from .measure import Progress, gemm_rate
+    from .timing import Progress, gemm_rate, run_metadata
 
     args = _resolve(args)
-    args.chunk_size_used = args.chunk_size or _default_chunk_size()
+    args.chunk_size_used = args.chunk_size or DEFAULT_CHUNK_SIZE
     backends, unavailable = _usable(args.backends)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     argv = getattr(args, "argv", None) or sys.argv[2:]
+    meta = run_metadata(
+        "python benchmarks/run.py cpu " + " ".join(argv), chunk_size=args.chunk_size_used
+    )
     report: dict[str, Any] = {
-        "schema": SCHEMA, "meta": _meta(args, argv), "unavailable": unavailable,
+        "schema": SCHEMA, "meta": meta, "unavailable": unavailable,
         "gemm_flops_per_s": {}, "results": [], "decode": [], "memory_check": [],
     }
     progress = Progress(_task_count(args, backends))
@@ -396,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
     report["meta"]["load_average_end"] = list(os.getloadavg())
     report["meta"]["seconds"] = round(progress.elapsed(), 1)
-    report["targets"] = reporting.targets(report)
+    report["targets"] = target_file.evaluate(report, target_file.load("cpu"))
     print(reporting.summarize(report))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -405,5 +377,5 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_plot:
         png = reporting.plot(report, out_dir / PNG_NAME)
         print(f"wrote {png}" if png else "matplotlib is not installed: no plot (pip install "
-              "'polylin[bench]')")
+              "matplotlib)")
     return 1 if report.get("interrupted") else 0

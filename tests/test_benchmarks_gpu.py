@@ -13,12 +13,13 @@ import json
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from benchmarks import baselines, gpu
+from benchmarks.run import main
+from polylin.testing import Backend
 
-from polylin.__main__ import main  # noqa: E402
-from polylin.bench import gpu  # noqa: E402
+from .reference import ATOL, seed_loop
 
-from .reference import ATOL, seed_loop  # noqa: E402
+pytestmark = pytest.mark.only_backend(Backend.TORCH)
 
 SEQ_LENS = (48, 32)  # 48 is not a multiple of the chunk size
 TINY = ["--device", "cpu", "--seq-lens", *map(str, SEQ_LENS), "--dims", "8",
@@ -27,7 +28,7 @@ TINY = ["--device", "cpu", "--seq-lens", *map(str, SEQ_LENS), "--dims", "8",
 
 
 def _bench(out, *extra):
-    code = main(["bench-gpu", *TINY, "--out", str(out), *extra])
+    code = main(["gpu", *TINY, "--out", str(out), *extra])
     report = json.loads((out / gpu.JSON_NAME).read_text())
     return code, report
 
@@ -37,10 +38,15 @@ def _rows(report, **where):
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def _smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-gpu")
     code, report = _bench(out)
     return code, report, out
+
+
+@pytest.fixture
+def smoke(backend, _smoke_run):
+    return _smoke_run
 
 
 def test_smoke_run_measures_every_cpu_implementation(smoke):
@@ -51,9 +57,9 @@ def test_smoke_run_measures_every_cpu_implementation(smoke):
     assert report["meta"]["stopped_early"] is False
     cells = {(T, "float32") for T in SEQ_LENS} | {(T, "bfloat16") for T in SEQ_LENS}
     for impl, backend, passes, dtypes in [
-        ("polylin_chunked", "torch", gpu.PASSES, ("float32", "bfloat16")),
-        ("polylin_chunked", "numpy", ("forward",), ("float32",)),
-        ("masked_quadratic", "torch", gpu.PASSES, ("float32", "bfloat16")),
+        ("chunked", "torch", gpu.PASSES, ("float32", "bfloat16")),
+        ("chunked", "numpy", ("forward",), ("float32",)),
+        ("quadratic", "torch", gpu.PASSES, ("float32", "bfloat16")),
         ("sdpa", "torch", gpu.PASSES, ("float32", "bfloat16")),
     ]:
         for T, dtype in cells:
@@ -66,7 +72,7 @@ def test_smoke_run_measures_every_cpu_implementation(smoke):
     assert (out / gpu.PNG_NAME).stat().st_size > 0
 
 
-@pytest.mark.parametrize("impl", ["polylin_chunked", "masked_quadratic"])
+@pytest.mark.parametrize("impl", ["chunked", "quadratic"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_outputs_match_float64_oracle_on_input_device(smoke, impl, dtype):
     _, report, _ = smoke
@@ -95,7 +101,7 @@ def test_unavailable_paths_are_recorded_with_reasons(smoke):
     assert "fla" in report["meta"]["fla"] and "CUDA" in report["meta"]["fla"]
     for r in _rows(report, impl="fla_chunk"):
         assert r["status"] == "skipped" and "fla" in r["reason"]
-    for r in _rows(report, impl="polylin_chunked_tf32"):
+    for r in _rows(report, impl="chunked_tf32"):
         assert r["status"] == "skipped" and "TF32" in r["reason"]
 
 
@@ -121,21 +127,21 @@ def test_ratios_come_from_the_same_run(smoke):
     for r in report["ratios"]:
         if r["ratio"] == "second_over_torch":
             key = (r["T"], r["dtype"], r["pass"])
-            expected = medians[("polylin_chunked", "numpy", *key)] / medians[
-                ("polylin_chunked", "torch", *key)]
+            expected = medians[("chunked", "numpy", *key)] / medians[
+                ("chunked", "torch", *key)]
             assert r["value"] == pytest.approx(expected)
 
 
 def test_summary_of_an_earlier_report(smoke, capsys):
     _, report, out = smoke
-    assert main(["bench-gpu", "--summary-of", str(out / gpu.JSON_NAME)]) == 0
+    assert main(["gpu", "--summary-of", str(out / gpu.JSON_NAME)]) == 0
     text = capsys.readouterr().out
     assert text.startswith("polylin bench-gpu on cpu:")
     assert "seed loop d=8 float32" in text and "extrapolated" in text
     assert text.strip() == gpu.summarize(report).strip()
 
 
-def test_time_budget_stops_cleanly(tmp_path):
+def test_time_budget_stops_cleanly(backend, tmp_path):
     code, report = _bench(tmp_path, "--time-budget", "0", "--no-plot")
     assert code == 0
     assert report["meta"]["stopped_early"] is True
@@ -150,22 +156,24 @@ def _fake_fla_chunk_linear_attn(q, k, v, scale=None, initial_state=None,
     ``(scale q) . cumsum(k) + 1e-10``. Stands in for the Triton kernel on the CPU."""
     assert normalize is True and scale == 1.0
     # A layout mix-up in the adapter (heads read as time) shows up as a large output error.
+    import torch
+
     qh, kh, vh = (x.transpose(1, 2).float() for x in (q, k, v))  # (B, H, T, D)
     scores = torch.tril(scale * qh @ kh.transpose(-1, -2))
     out = (scores @ vh) / (scores.sum(-1, keepdim=True) + 1e-10)
     return out.transpose(1, 2).to(q.dtype), None
 
 
-def test_fla_adapter_converts_layout_and_applies_the_feature_map(tmp_path, monkeypatch):
+def test_fla_adapter_converts_layout_and_applies_the_feature_map(backend, tmp_path, monkeypatch):
     calls = []
 
     def fake_load(device):
         calls.append(device)
         return _fake_fla_chunk_linear_attn, "fake"
 
-    monkeypatch.setattr(gpu, "_load_fla", fake_load)
+    monkeypatch.setattr(baselines, "load_fla", fake_load)
     code, report = _bench(tmp_path, "--no-plot")
-    assert code == 0 and calls == ["cpu"]
+    assert code == 0 and set(calls) == {"cpu"}
     assert report["meta"]["fla"].startswith("fla fake")
     rows = _rows(report, impl="fla_chunk")
     assert len(rows) == len(SEQ_LENS) * 2 * len(gpu.PASSES)
@@ -177,39 +185,24 @@ def test_fla_adapter_converts_layout_and_applies_the_feature_map(tmp_path, monke
     assert any(r["ratio"] == "polylin_over_fla" for r in report["ratios"])
 
 
-def test_cuda_device_without_gpu_says_so(tmp_path, capsys):
-    if torch.cuda.is_available():
+def test_cuda_device_without_gpu_says_so(backend, tmp_path, capsys):
+    if backend.module().cuda.is_available():
         pytest.skip("a CUDA device is present: the real benchmark runs in backends/gpu-check.sh")
-    assert main(["bench-gpu", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert main(["gpu", "--device", "cuda", "--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_seed_loop_is_the_design_note_loop(rng):
+def test_seed_loop_is_the_original_loop(backend, rng):
     q, k, v = rng.standard_normal((3, 2, 11, 4))
-    out = gpu.seed_loop(*(torch.from_numpy(x) for x in (q, k, v)))
-    np.testing.assert_allclose(out.numpy(), seed_loop(q, k, v), rtol=0, atol=1e-12)
+    out = baselines.seed_loop(*(backend.from_numpy(x) for x in (q, k, v)))
+    np.testing.assert_allclose(backend.to_numpy(out), seed_loop(q, k, v), rtol=0, atol=1e-12)
 
 
-def _report_with(medians):
-    results = [{"impl": impl, "backend": backend, "T": T, "d": 64, "dtype": "float32",
-                "pass": "forward", "status": "ok", "median_s": s}
-               for (impl, backend, T), s in medians.items()]
-    report = {"backends": {"torch": "torch:cuda", "second": "cupy"}, "results": results}
-    report["ratios"] = gpu._ratios(report)
-    return gpu._targets(report)
+def test_flops_follow_the_shared_model(smoke):
+    """The GPU report counts the chunked path's flops with the CPU benchmark's model."""
+    from benchmarks.model import chunked_useful_flops
 
-
-def test_targets_are_judged_on_measured_ratios_only():
-    # Synthetic medians (test data, not measurements) exercising each verdict.
-    targets = _report_with({
-        ("polylin_chunked", "torch:cuda", 8192): 2.0,
-        ("fla_chunk", "torch:cuda", 8192): 1.0,        # 2x: within 3x -> met
-        ("sdpa", "torch:cuda", 8192): 4.0,             # faster at 8k
-        ("polylin_chunked", "torch:cuda", 16384): 4.0,
-        ("sdpa", "torch:cuda", 16384): 3.0,            # slower at 16k -> missed
-    })
-    fla, sdpa, cupy = targets
-    assert fla["status"] == "met" and fla["cells"][0]["ratio"] == pytest.approx(2.0)
-    assert sdpa["status"] == "missed"
-    assert [c["met"] for c in sorted(sdpa["cells"], key=lambda c: c["T"])] == [True, False]
-    assert cupy["status"] == "not measured" and cupy["cells"] == []
+    _, report, _ = smoke
+    (row,) = _rows(report, impl="chunked", backend="torch", T=48, dtype="float32",
+                   **{"pass": "forward"})
+    assert row["model_flops"] == chunked_useful_flops(1 * 2, 48, 8, 8, 16)

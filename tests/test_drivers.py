@@ -1,0 +1,112 @@
+"""The backend drivers (polylin.testing) and ``python -m polylin``: no global side effects, no
+NumPy needed to import them, the ``bench`` command delegates to a clone or says why it cannot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import polylin.__main__ as cli
+import polylin.testing as testing
+from polylin.testing import STRICT_FLAGS, Backend
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _probe_every_driver() -> None:
+    testing._unavailable_reason.cache_clear()  # ask afresh, as a new process would
+    for b in Backend:
+        if b.unavailable_reason() is None:
+            b.module()
+            b.namespace()
+            b.float_dtypes()
+            b.to_numpy(b.from_numpy([1.0, 2.0], "float32"))
+
+
+@pytest.mark.only_backend(Backend.JAX)
+def test_probing_leaves_jax_x64_alone(backend):
+    import jax
+
+    before = jax.config.read("jax_enable_x64")
+    try:
+        for x64 in (False, True):
+            jax.config.update("jax_enable_x64", x64)
+            _probe_every_driver()
+            assert jax.config.read("jax_enable_x64") is x64
+            assert ("float64" in backend.float_dtypes()) is x64
+    finally:
+        jax.config.update("jax_enable_x64", before)
+
+
+@pytest.mark.only_backend(Backend.JAX)
+def test_float64_without_x64_is_refused_not_narrowed(backend):
+    import jax
+
+    with jax.enable_x64(False), pytest.raises(ValueError, match="jax_enable_x64"):
+        backend.from_numpy([1.0], "float64")
+
+
+@pytest.mark.only_backend(Backend.ARRAY_API_STRICT)
+def test_probing_leaves_array_api_strict_flags_alone(backend):
+    strict = backend.module()
+    chosen = {"api_version": "2023.12", "boolean_indexing": True, "data_dependent_shapes": True}
+    try:
+        strict.set_array_api_strict_flags(**chosen)
+        _probe_every_driver()
+        flags = strict.get_array_api_strict_flags()
+        assert {k: flags[k] for k in chosen} == chosen
+    finally:
+        strict.set_array_api_strict_flags(**STRICT_FLAGS)
+
+
+@pytest.mark.only_backend(Backend.NUMPY)
+def test_drivers_and_cli_import_without_numpy(backend):
+    """With NumPy hidden, polylin, its drivers and the CLI import; the NumPy driver says why it
+    cannot run, and ``backends`` lists every driver."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["numpy"] = None  # import numpy now raises ImportError
+        import polylin, polylin.testing
+        from polylin.testing import Backend
+        reason = Backend.NUMPY.unavailable_reason()
+        assert reason is not None and "numpy" in reason, reason
+        from polylin.__main__ import main
+        assert main(["backends"]) == 0
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT), "POLYLIN_BACKENDS": "numpy", "PATH": ""},
+    )
+    assert out.returncode == 0, out.stderr
+    assert {line.split()[0] for line in out.stdout.splitlines()} == {b.value for b in Backend}
+
+
+def test_bench_delegates_to_the_clone(monkeypatch, capsys):
+    calls = []
+    import benchmarks.run
+
+    monkeypatch.setattr(benchmarks.run, "main", lambda argv: calls.append(argv) or 0)
+    assert cli.main(["bench", "--quick", "--out", "x"]) == 0
+    assert cli.main(["bench", "gpu", "--device", "cpu"]) == 0
+    assert calls == [["cpu", "--quick", "--out", "x"], ["gpu", "--device", "cpu"]]
+
+
+def test_bench_from_an_installed_wheel_says_where_the_benchmarks_are(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "BENCHMARKS", Path("/site-packages/benchmarks/run.py"))
+    assert cli.main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert "not installed with the package" in err and "python benchmarks/run.py" in err
+
+
+def test_selected_backends_names_and_errors():
+    assert testing.selected_backends(names="numpy, torch") == [Backend.NUMPY, Backend.TORCH]
+    with pytest.raises(ValueError, match="unknown backend"):
+        testing.selected_backends(names="numpy,tensorflow")
+    assert testing.selected_backends(names="") == list(Backend)
