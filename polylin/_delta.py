@@ -28,6 +28,7 @@ Every function here takes ``xp`` and arrays already validated, masked (masked to
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from array_api_compat import device
@@ -147,6 +148,7 @@ def delta_chunked(
         arrays = [pad_rows(xp, x, padded - T) for x in arrays]
     shape = (*batch, n_blocks, per_block, chunk)
     arrays = [xp.reshape(x, (*shape, x.shape[-1])) for x in arrays]
+    blocks: list[Sequence[Any]]
     if n_blocks == 1:
         blocks = [[x[..., 0, :, :, :] for x in arrays]]
     else:

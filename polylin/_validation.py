@@ -278,9 +278,10 @@ def check_coefficient(
     xp = inputs.xp
     if isinstance(x, Real) and not isinstance(x, bool):
         low, high = bounds
-        if not (math.isfinite(x) and low <= x <= high):  # also refuses nan and inf
+        value = float(x)
+        if not (math.isfinite(value) and low <= value <= high):  # also refuses nan and inf
             raise ValueError(f"{name} must be a finite number in [{low}, {high}], got {x}")
-        return xp.full(shape, float(x), dtype=inputs.work_dtype, device=inputs.device)
+        return xp.full(shape, value, dtype=inputs.work_dtype, device=inputs.device)
     if not array_api_compat.is_array_api_obj(x):
         raise TypeError(f"{name} must be a float or an array, got {type(x).__name__}")
     if namespace_of(**{name: x}) is not xp:

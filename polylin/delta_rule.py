@@ -15,6 +15,7 @@ from typing import Any
 from ._delta import delta_chunked, delta_recurrent, delta_step
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import finish
+from ._typing import Array
 from ._validation import (
     AttentionInputs,
     check_coefficient,
@@ -72,20 +73,20 @@ def _run(
 
 
 def delta_rule_attention(
-    q: Any,
-    k: Any,
-    v: Any,
-    beta: Any,
+    q: Array,
+    k: Array,
+    v: Array,
+    beta: Array,
     /,
     *,
-    log_decay: Any | None = None,
+    log_decay: Array | None = None,
     method: str = "chunked",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    initial_state: Any | None = None,
+    initial_state: Array | None = None,
     return_state: bool = False,
-    attention_mask: Any | None = None,
+    attention_mask: Array | None = None,
     cu_seqlens: Sequence[int] | None = None,
-) -> Any:
+) -> Array:
     r"""The (gated) delta rule: ``S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T``.
 
     The output is ``o_t = S_t^T q_t`` and ``a_t = exp(log_decay_t)`` (1 without decay:
@@ -178,7 +179,6 @@ def delta_rule_attention(
     g = _log_decay(inputs, log_decay, per_token)
     if g is not None:
         arrays.append(g)
-    options = {"method": method, "chunk_size": chunk_size}
     if cu_seqlens is not None:
         if attention_mask is not None:
             raise ValueError("pass attention_mask or cu_seqlens, not both")
@@ -190,7 +190,7 @@ def delta_rule_attention(
         )
         keep = length_mask(xp, offsets, max_len, inputs.device)[..., None]
         packed = [pack(xp, x, offsets, max_len) for x in arrays]
-        out, S = _run(xp, packed, S, keep, **options)
+        out, S = _run(xp, packed, S, keep, method=method, chunk_size=chunk_size)
         out = unpack(xp, out, offsets)
     else:
         S = check_matrix_state(inputs, initial_state, (*batch, d_k, d_v), name="initial_state")
@@ -198,7 +198,7 @@ def delta_rule_attention(
         if attention_mask is not None:
             mask = check_mask(inputs, attention_mask, T)
             keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
-        out, S = _run(xp, arrays, S, keep, **options)
+        out, S = _run(xp, arrays, S, keep, method=method, chunk_size=chunk_size)
     if T == 0 and initial_state is not None:  # never hand back the caller's own array
         S = xp.asarray(S, copy=True)
     out = finish(inputs, out, None)
@@ -206,15 +206,15 @@ def delta_rule_attention(
 
 
 def delta_rule_step(
-    q_t: Any,
-    k_t: Any,
-    v_t: Any,
-    beta_t: Any,
-    state: Any | None = None,
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
+    beta_t: Array,
+    state: Array | None = None,
     /,
     *,
-    log_decay: Any | None = None,
-) -> tuple[Any, Any]:
+    log_decay: Array | None = None,
+) -> tuple[Array, Array]:
     """One token of the (gated) delta rule: update the state with ``(k_t, v_t)``, read with ``q_t``.
 
     Cost and memory are O(d_k d_v) whatever the position. A state returned by
