@@ -347,7 +347,7 @@ def test_gradients_torch(rng, monkeypatch, block_rows):
 def test_gradients_torch_match_finite_differences(rng):
     """The recurrent gradients themselves are right (so agreeing with them means something)."""
     torch = needs(Backend.TORCH)
-    arrays, out_weight, _ = _loss_inputs(rng)
+    arrays, out_weight, _ = _loss_inputs(rng, length=6)
     xs = [torch.tensor(a, requires_grad=True) for a in arrays]
 
     def loss(q, k, v, beta, g, S0):
