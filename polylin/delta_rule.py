@@ -42,8 +42,9 @@ def _log_decay(inputs: AttentionInputs, log_decay: Any, shape: tuple) -> Any | N
     if log_decay is None:
         return None
     g = check_coefficient(inputs, log_decay, shape, name="log_decay", bounds=_LOG_DECAY_BOUNDS)
-    # A decay never amplifies: this keeps every exponential the algorithms form <= 1.
-    return inputs.xp.minimum(g, 0.0)
+    # A decay never amplifies: this keeps every exponential the algorithms form <= 1. A
+    # selection rather than ``minimum``, whose gradient is halved where ``g == 0`` on PyTorch.
+    return inputs.xp.where(g > 0.0, 0.0, g)
 
 
 def _run(

@@ -535,3 +535,26 @@ def test_recall_beats_linear_attention():
     phi = polylin.feature_maps.elu_plus_one(keys)
     plain = phi @ S_plain / (phi @ z)[:, None]
     assert np.abs(plain - last).max() > 0.5
+
+
+def test_positive_log_decay_is_taken_as_zero(rng):
+    """A decay never amplifies the state: log decays above 0 act as 0 (and pass gradients
+    through unchanged at 0 itself)."""
+    q, k, v, beta, log_decay = make_inputs(rng, lead=(2,), length=9)
+    log_decay[:, ::2] = 0.0
+    positive = np.where(log_decay == 0.0, 0.7, log_decay)
+    want, _ = reference(q, k, v, beta, log_decay)
+    for method in polylin.DELTA_METHODS:
+        got = delta_rule_attention(q, k, v, beta, log_decay=positive, method=method)
+        np.testing.assert_allclose(got, want, atol=ATOL64, rtol=0)
+    torch = needs(Backend.TORCH)
+    g = torch.tensor(log_decay, requires_grad=True)
+    arrays = [torch.tensor(x) for x in (q, k, v, beta)]
+    (grad,) = torch.autograd.grad(delta_rule_attention(*arrays, log_decay=g).sum(), g)
+    h = 1e-6
+    for index in [(0, 4, 0), (1, 6, 0)]:  # log decays of exactly 0, after some writes
+        shifted = log_decay.copy()
+        shifted[index] -= h
+        below = delta_rule_attention(q, k, v, beta, log_decay=shifted).sum()
+        above = delta_rule_attention(q, k, v, beta, log_decay=log_decay).sum()
+        np.testing.assert_allclose(grad.numpy()[index], (above - below) / h, rtol=1e-4)
