@@ -75,7 +75,7 @@ def causal_chunked(
     itemsize = xp.finfo(v.dtype).bits // 8
     token_bytes = math.prod(batch) * (S.shape[-2] + d_v) * itemsize
     block = block_tokens(eager, T, chunk, token_bytes)
-    mask = causal_mask(xp, chunk, chunk, v.dtype, dev)
+    mask = causal_mask(xp, chunk, chunk, None, dev)  # boolean: scores are selected
     outputs = []
     for start in range(0, T, block):
         stop = min(start + block, T)
@@ -114,7 +114,8 @@ def _block(
         prefix = xp.cumulative_sum(increments, axis=-3, include_initial=True)
         states = prefix[..., :-1, :, :] + state[..., None, :, :]
         new_state = state + prefix[..., -1, :, :]
-    scores = xp.matmul(Q, Kt) * mask
+    # Selected, not multiplied: a masked score may be inf or NaN (0 * inf is NaN).
+    scores = xp.where(mask, xp.matmul(Q, Kt), 0.0)
     out = xp.matmul(Q, states) + xp.matmul(scores, V)
     out = xp.reshape(out, (*batch, padded, d_v + 1))
     if padded != length:

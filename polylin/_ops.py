@@ -10,14 +10,14 @@ __all__ = ["causal_mask", "pad_rows"]
 
 
 def causal_mask(xp: Any, rows: int, cols: int, dtype: Any, dev: Any) -> Any:
-    """``(rows, cols)`` lower-triangular ones (diagonal included), in ``dtype``.
+    """``(rows, cols)`` lower-triangular ones (diagonal included), in ``dtype`` (bool for None).
 
     Row i may attend to columns ``j <= i``. The standard has no ``tril``; a comparison of two
     ``arange`` vectors builds it.
     """
     i = xp.arange(rows, device=dev)[:, None]
     j = xp.arange(cols, device=dev)[None, :]
-    return xp.astype(j <= i, dtype)
+    return j <= i if dtype is None else xp.astype(j <= i, dtype)
 
 
 def pad_rows(xp: Any, x: Any, pad: int) -> Any:

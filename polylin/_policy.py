@@ -30,8 +30,10 @@ __all__ = [
     "compiled",
     "eager_constants",
     "eager_cpu",
+    "is_tracer",
     "materialized",
     "stacked_qr",
+    "unsupported_array",
 ]
 
 #: Default added to the normalizer of every normalized entry point.
@@ -59,7 +61,7 @@ def cacheable(x: Any) -> bool:
     PyTorch inference tensor (made under ``torch.inference_mode``, it could not be saved for
     backward by a later training step).
     """
-    if any(cls.__name__ == "Tracer" for cls in type(x).__mro__):
+    if is_tracer(x):
         return False
     is_inference = getattr(x, "is_inference", None)
     return not (callable(is_inference) and is_inference())
@@ -117,3 +119,38 @@ def compiled(
 @cache
 def _jitted(function: Callable[..., Any], static_argnames: Hashable) -> Callable[..., Any]:
     return sys.modules["jax"].jit(function, static_argnames=static_argnames)
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether ``x`` is a JAX tracer: a value only known when the traced function runs.
+
+    Detected by class name so that the core never imports JAX.
+    """
+    return any(cls.__name__ == "Tracer" for cls in type(x).__mro__)
+
+
+def unsupported_array(x: Any) -> str | None:
+    """Why ``x`` is an array polylin must refuse, or ``None``.
+
+    Each of these is accepted by ``array_api_compat`` but would compute something else than the
+    caller meant: a ``numpy.ma.MaskedArray`` (its mask would be ignored), a NumPy array of an
+    ``ml_dtypes`` dtype such as bfloat16 (not a dtype of NumPy's array API), a sparse PyTorch
+    tensor. Probed by module and attribute names, without importing the libraries.
+    """
+    module = type(x).__module__
+    if module.startswith("numpy.ma"):
+        return (
+            "is a numpy.ma.MaskedArray, whose mask polylin would ignore; pass "
+            "np.ma.getdata(x) (or x.filled(0)) and the valid positions as attention_mask"
+        )
+    if module == "numpy" and getattr(getattr(x, "dtype", None), "kind", None) == "V":
+        return (
+            f"has dtype {x.dtype} (an ml_dtypes extension type), which NumPy's array API does not "
+            "support; NumPy inputs may be float16, float32 or float64 (for bfloat16 use "
+            "PyTorch or JAX, or cast with x.astype(np.float32))"
+        )
+    if module == "torch":
+        layout = str(getattr(x, "layout", "torch.strided"))
+        if layout != "torch.strided":
+            return f"is a sparse PyTorch tensor (layout {layout}); pass a dense one (x.to_dense())"
+    return None

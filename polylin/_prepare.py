@@ -2,6 +2,11 @@
 
 Inputs are cast to the work dtype *before* the feature map (a 16-bit ``exp`` overflows early);
 outputs are cast back to the inputs' dtype with masked query rows zeroed.
+
+Masks decide by selection, never by multiplication (``0 * nan`` and ``0 * inf`` are NaN, and
+padding is often uninitialized memory): :func:`select` zeroes ``q``, ``k`` and ``v`` at masked
+positions *before* the feature map, the mapped keys again *after* it (``phi(0)`` is not 0), and
+:func:`finish` selects 0 for masked outputs.
 """
 
 from __future__ import annotations
@@ -14,11 +19,16 @@ import array_api_compat
 from ._validation import AttentionInputs
 from .feature_maps import elu_plus_one
 
-__all__ = ["apply_feature_map", "finish"]
+__all__ = ["apply_feature_map", "finish", "select"]
 
 
 def apply_feature_map(
-    inputs: AttentionInputs, feature_map: Callable[[Any], Any] | None, q: Any, k: Any
+    inputs: AttentionInputs,
+    feature_map: Callable[[Any], Any] | None,
+    q: Any,
+    k: Any,
+    *,
+    names: tuple[str, str] = ("q", "k"),
 ) -> tuple[Any, Any]:
     """Return ``phi(q), phi(k)`` in the work dtype, checking what the feature map returned."""
     if feature_map is None:
@@ -31,13 +41,9 @@ def apply_feature_map(
     # cancels between numerator and normalizer; a per-key shift would not): see ``map_query``.
     map_query = getattr(feature_map, "map_query", feature_map)
     mapped = []
-    for name, x, phi in (("q", q, map_query), ("k", k, feature_map)):
+    for name, x, phi in ((names[0], q, map_query), (names[1], k, feature_map)):
         fx = phi(inputs.to_work_dtype(x))
-        if not array_api_compat.is_array_api_obj(fx) or tuple(fx.shape[:-1]) != tuple(x.shape[:-1]):
-            raise ValueError(
-                f"feature_map must return an array of shape (..., d_phi) for {name} of shape "
-                f"{tuple(x.shape)}, got {getattr(fx, 'shape', type(fx).__name__)}"
-            )
+        _check_mapped(inputs, name, x, fx)
         mapped.append(inputs.to_work_dtype(fx))
     fq, fk = mapped
     if fq.shape[-1] != fk.shape[-1]:
@@ -45,8 +51,34 @@ def apply_feature_map(
     return fq, fk
 
 
+def _check_mapped(inputs: AttentionInputs, name: str, x: Any, fx: Any) -> None:
+    """``phi(x)`` must be a real floating ``(..., d_phi)`` array of the inputs' library."""
+    if not array_api_compat.is_array_api_obj(fx):
+        raise TypeError(f"feature_map must return an array for {name}, got {type(fx).__name__}")
+    if array_api_compat.array_namespace(fx) is not inputs.xp:
+        raise TypeError(
+            f"feature_map returned a {type(fx).__module__.split('.')[0]} array for {name}, a "
+            f"{type(x).__module__.split('.')[0]} array; it must return an array of the same "
+            "library as its input"
+        )
+    if not inputs.xp.isdtype(fx.dtype, "real floating"):
+        raise TypeError(
+            f"feature_map must return a real floating array for {name}, got dtype {fx.dtype} "
+            "(a complex result would lose its imaginary part)"
+        )
+    if tuple(fx.shape[:-1]) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"feature_map must return an array of shape (..., d_phi) for {name} of shape "
+            f"{tuple(x.shape)}, got {tuple(fx.shape)}"
+        )
+
+
+def select(xp: Any, mask: Any | None, x: Any) -> Any:
+    """``x`` where the boolean ``mask`` is True, exactly 0 elsewhere (``x`` without a mask)."""
+    return x if mask is None else xp.where(mask, x, 0.0)
+
+
 def finish(inputs: AttentionInputs, out: Any, query_mask: Any | None) -> Any:
-    """Zero the masked query rows and cast back to the input dtype."""
-    if query_mask is not None:
-        out = out * query_mask
+    """Zero the masked query rows (by selection) and cast back to the input dtype."""
+    out = select(inputs.xp, query_mask, out)
     return out if out.dtype == inputs.dtype else inputs.xp.astype(out, inputs.dtype)

@@ -21,7 +21,9 @@ def quadratic(
     """
     scores = xp.matmul(fq, xp.matrix_transpose(fk))
     if causal:
-        scores = scores * causal_mask(xp, fq.shape[-2], fk.shape[-2], scores.dtype, device(fq))
+        # Selected, not multiplied: a masked score may be inf or NaN (0 * inf is NaN).
+        causal_rows = causal_mask(xp, fq.shape[-2], fk.shape[-2], None, device(fq))
+        scores = xp.where(causal_rows, scores, 0.0)
     numerator = xp.matmul(scores, v) + xp.matmul(fq, S)
     normalizer = xp.sum(scores, axis=-1, keepdims=True) + xp.matmul(fq, z[..., None])
     out = numerator / (normalizer + eps)

@@ -9,15 +9,21 @@ Everything after it receives ``xp`` (an array-API namespace) and arrays known to
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from itertools import pairwise
-from numbers import Real
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import array_api_compat
 
+from ._policy import is_tracer, unsupported_array
+
+if TYPE_CHECKING:
+    from ._layout import SequenceLayout
+
 __all__ = [
     "AttentionInputs",
+    "Options",
     "check_coefficient",
     "check_cu_seqlens",
     "check_mask",
@@ -25,6 +31,7 @@ __all__ = [
     "check_options",
     "check_qkv",
     "check_state",
+    "check_token_mask",
     "namespace_of",
     "work_dtype_for",
 ]
@@ -61,6 +68,9 @@ def namespace_of(**arrays: Any) -> Any:
     for name, x in arrays.items():
         if not array_api_compat.is_array_api_obj(x):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        problem = unsupported_array(x)
+        if problem is not None:
+            raise TypeError(f"{name} {problem}")
         try:
             this = array_api_compat.array_namespace(x)
         except TypeError as exc:
@@ -75,10 +85,20 @@ def namespace_of(**arrays: Any) -> Any:
     return xp
 
 
+def _other_device(device: Any, x: Any) -> bool:
+    """Whether ``x`` is known to live on another device than ``device``.
+
+    A JAX tracer has no device (``None``) while an array closed over under ``jit`` has one:
+    that is not a mismatch.
+    """
+    other = array_api_compat.device(x)
+    return device is not None and other is not None and other != device
+
+
 def _check_device(xp: Any, device: Any, first: str, **arrays: Any) -> None:
     for name, x in arrays.items():
         other = array_api_compat.device(x)
-        if other != device:
+        if _other_device(device, x):
             raise ValueError(f"{name} is on device {other} but {first} is on device {device}")
 
 
@@ -155,53 +175,180 @@ def check_qkv(
     return AttentionInputs(xp, device, q.dtype, work_dtype_for(xp, q.dtype), batch_shape)
 
 
-def check_options(*, eps: float, chunk_size: int | None = None) -> None:
-    """Validate the scalar options shared by the entry points."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a positive float, got {type(eps).__name__}")
+class Options(NamedTuple):
+    """Scalar options after validation, as plain Python numbers."""
+
+    eps: float
+    chunk_size: int | None
+
+
+#: ``check_options``'s marker for "this entry point has no chunk_size".
+NOT_GIVEN: Any = object()
+
+
+def _static(name: str, value: Any) -> None:
+    if is_tracer(value):
+        raise TypeError(
+            f"{name} must be static under jax.jit, got a traced value: pass it in "
+            f"static_argnames=({name!r},) or bind it with functools.partial"
+        )
+
+
+def check_options(
+    *, eps: Any, chunk_size: Any = NOT_GIVEN, inputs: AttentionInputs | None = None
+) -> Options:
+    """Validate the scalar options shared by the entry points and return them as Python numbers.
+
+    ``eps`` is any real number (``numbers.Real``: Python and NumPy scalars), > 0 and finite;
+    given ``inputs`` it must also stay positive and finite in their work dtype (the dtype the
+    normalizer is computed in): ``smallest_normal <= eps <= max`` of that dtype. ``chunk_size``
+    is any integer (``numbers.Integral``) >= 1, never a bool or ``None``; entry points without
+    one leave it out. A JAX tracer for either is an error saying it must be static.
+    """
+    _static("eps", eps)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a positive real number, got {type(eps).__name__}")
+    eps = float(eps)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
-    if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-            raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if inputs is not None:
+        info = inputs.xp.finfo(inputs.work_dtype)
+        tiny, huge = float(info.smallest_normal), float(info.max)
+        if not tiny <= eps <= huge:
+            raise ValueError(
+                f"eps must be > 0 and finite in {inputs.work_dtype}, the dtype the normalizer "
+                f"is computed in (between {tiny:.6g} and {huge:.6g}), got {eps!r}"
+            )
+    if chunk_size is NOT_GIVEN:
+        return Options(eps, None)
+    _static("chunk_size", chunk_size)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return Options(eps, int(chunk_size))
 
 
-def check_mask(inputs: AttentionInputs, attention_mask: Any, length: int) -> Any:
-    """Validate a boolean ``(..., T)`` mask and return it as ``(..., T, 1)`` in the work dtype.
+def check_method(method: Any, methods: Sequence[str]) -> str:
+    """Validate a ``method`` name against the allowed ones."""
+    _static("method", method)
+    if not isinstance(method, str) or method not in methods:
+        raise ValueError(f"method must be one of {tuple(methods)}, got {method!r}")
+    return method
 
-    The mask must broadcast against the leading dimensions of ``q`` with the usual right-aligned
-    rules, so a ``(batch, T)`` mask for ``(batch, heads, T, d)`` inputs is ``mask[:, None, :]``.
+
+def check_mask(
+    inputs: AttentionInputs,
+    attention_mask: Any,
+    length: int,
+    layout: SequenceLayout | None = None,
+    *,
+    name: str = "attention_mask",
+) -> Any:
+    """Validate a boolean mask and return it as ``(..., T, 1)`` in the standard layout.
+
+    The rule: a 2-D mask ``(batch, T)`` (what a tokenizer returns) always means the first
+    leading axis and the time axis, whatever the layout and number of head axes; any other mask
+    has the full rank of ``q`` without its feature axis, in the inputs' layout (time axis at
+    ``seq_axis``), with size-1 axes broadcasting. A 1-D ``(T,)`` mask is the full-rank case of
+    ``(T, d)`` inputs. Anything else is a ``ValueError`` showing the expected shapes.
+    ``layout`` describes the inputs' original layout (``None``: the standard ``(..., T, d)``).
     """
     xp = inputs.xp
-    if namespace_of(attention_mask=attention_mask) is not xp:
-        raise TypeError("attention_mask must be an array of the same library as q")
-    if array_api_compat.device(attention_mask) != inputs.device:
+    if namespace_of(**{name: attention_mask}) is not xp:
+        raise TypeError(f"{name} must be an array of the same library as q")
+    if _other_device(inputs.device, attention_mask):
         raise ValueError(
-            f"attention_mask is on device {array_api_compat.device(attention_mask)} "
+            f"{name} is on device {array_api_compat.device(attention_mask)} "
             f"but q is on device {inputs.device}"
         )
     if not xp.isdtype(attention_mask.dtype, "bool"):
         raise TypeError(
-            f"attention_mask must be boolean (True for real tokens), got {attention_mask.dtype}"
+            f"{name} must be boolean (True for real tokens), got {attention_mask.dtype}"
         )
-    full = (*inputs.batch_shape, length)
+    _check_known_shape(name, attention_mask)
+    batch = inputs.batch_shape
+    n_lead = len(batch)
+    axis = n_lead if layout is None else layout.axis
+    # The inputs' shape without the feature axis, in the caller's layout.
+    full = (*batch[:axis], length, *batch[axis:])
     shape = tuple(attention_mask.shape)
-    ok = 1 <= len(shape) <= len(full) and all(
-        m in (1, f) for m, f in zip(reversed(shape), reversed(full))
-    )
-    if not ok or shape[-1] != length:
-        raise ValueError(
-            f"attention_mask must have shape (..., T) broadcastable to {full}, got {shape}"
+
+    def fits(got: tuple, want: tuple, time: int) -> bool:
+        return len(got) == len(want) and all(
+            g == w if i == time else g in (1, w) for i, (g, w) in enumerate(zip(got, want))
         )
-    return xp.astype(attention_mask, inputs.work_dtype)[..., None]
+
+    if n_lead >= 1 and len(shape) == 2:
+        if fits(shape, (batch[0], length), 1):
+            return xp.reshape(attention_mask, (shape[0], *([1] * (n_lead - 1)), length, 1))
+    elif fits(shape, full, axis):
+        if axis != n_lead:
+            order = (*(i for i in range(n_lead + 1) if i != axis), axis)
+            attention_mask = xp.permute_dims(attention_mask, order)
+        return attention_mask[..., None]
+    if n_lead == 0:
+        expected = f"(T,) = {full}"
+    elif n_lead == 1 and axis == 1:
+        expected = f"(batch, T) = {full} (size-1 axes broadcast)"
+    else:
+        expected = (
+            f"(batch, T) = {(batch[0], length)} or the shape of the inputs without their "
+            f"feature axis, {full} (size-1 axes broadcast)"
+        )
+    raise ValueError(f"{name} must have shape {expected}; got {shape}")
+
+
+def check_token_mask(inputs: AttentionInputs, attention_mask: Any) -> Any:
+    """Validate the boolean mask of one decoding step; return it as ``(..., 1)``.
+
+    It has the batch shape of ``q_t`` (size-1 axes broadcast), or is 1-D ``(batch,)`` for the
+    first leading axis, as a 2-D ``(batch, T)`` mask is for whole sequences.
+    """
+    xp = inputs.xp
+    name = "attention_mask"
+    if namespace_of(**{name: attention_mask}) is not xp:
+        raise TypeError(f"{name} must be an array of the same library as q_t")
+    if _other_device(inputs.device, attention_mask):
+        raise ValueError(
+            f"{name} is on device {array_api_compat.device(attention_mask)} "
+            f"but q_t is on device {inputs.device}"
+        )
+    if not xp.isdtype(attention_mask.dtype, "bool"):
+        raise TypeError(
+            f"{name} must be boolean (True for rows that take this token), "
+            f"got {attention_mask.dtype}"
+        )
+    batch = inputs.batch_shape
+    shape = tuple(attention_mask.shape)
+    if len(batch) >= 1 and len(shape) == 1 and shape[0] in (1, batch[0]):
+        return xp.reshape(attention_mask, (shape[0], *([1] * (len(batch) - 1)), 1))
+    if len(shape) == len(batch) and all(m in (1, b) for m, b in zip(shape, batch)):
+        return attention_mask[..., None]
+    raise ValueError(
+        f"{name} of a decoding step must have the batch shape of q_t, {batch} (size-1 axes "
+        f"broadcast), or be 1-D (batch,) = {batch[:1]}; got {shape}"
+    )
 
 
 def check_state(
-    inputs: AttentionInputs, state: Any, batch_shape: tuple, d_phi: int, d_v: int, *, name: str
+    inputs: AttentionInputs,
+    state: Any,
+    batch_shape: tuple,
+    d_phi: int,
+    d_v: int,
+    *,
+    name: str,
+    token_shape: tuple | None = None,
 ) -> tuple[Any, Any]:
-    """Return ``(S, z)`` in the work dtype: zeros for ``None``, else the checked state."""
+    """Return ``(S, z)`` in the work dtype: zeros for ``None``, else the checked state.
+
+    A given state must be in the work dtype already (float32 for 16-bit inputs, else the
+    inputs' dtype): a silent cast would lose precision one way, or change the results of a
+    higher-precision computation the other. Shape errors say what most likely went wrong: a
+    decoding token that still has its length-1 T axis (``token_shape``: the shape of ``q_t`` in a
+    decoding step), or a state built with another feature map.
+    """
     xp = inputs.xp
     if state is None:
         S = xp.zeros((*batch_shape, d_phi, d_v), dtype=inputs.work_dtype, device=inputs.device)
@@ -212,20 +359,44 @@ def check_state(
     S, z = state
     if namespace_of(**{f"{name}.S": S, f"{name}.z": z}) is not xp:
         raise TypeError(f"{name} must hold arrays of the same library as q")
-    for part, x, want in (
-        ("S", S, (*batch_shape, d_phi, d_v)),
-        ("z", z, (*batch_shape, d_phi)),
-    ):
-        if array_api_compat.device(x) != inputs.device:
+    for part, x in (("S", S), ("z", z)):
+        if _other_device(inputs.device, x):
             raise ValueError(
                 f"{name}.{part} is on device {array_api_compat.device(x)} "
                 f"but q is on device {inputs.device}"
             )
         if not xp.isdtype(x.dtype, "real floating"):
             raise TypeError(f"{name}.{part} must have a real floating dtype, got {x.dtype}")
-        if tuple(x.shape) != want:
-            raise ValueError(f"{name}.{part} must have shape {want}, got {tuple(x.shape)}")
-    return inputs.to_work_dtype(S), inputs.to_work_dtype(z)
+        if x.dtype != inputs.work_dtype:
+            raise TypeError(
+                f"{name}.{part} has dtype {x.dtype} but inputs of dtype {inputs.dtype} are "
+                f"computed in {inputs.work_dtype}; pass a state of that dtype (the state "
+                "polylin returns for these inputs is)"
+            )
+    S_shape, z_shape = tuple(S.shape), tuple(z.shape)
+    want = (*batch_shape, d_phi, d_v)
+    if S_shape != want or z_shape != (*batch_shape, d_phi):
+        if (
+            token_shape is not None
+            and token_shape[-2:-1] == (1,)
+            and S_shape[:-2] == tuple(token_shape[:-2])
+        ):
+            raise ValueError(
+                f"q_t must have shape (..., d) for one token (no T axis), got {token_shape} "
+                f"for a state with leading dimensions {S_shape[:-2]}: drop the length-1 T axis "
+                "(q_t[..., 0, :], and the same for k_t and v_t)"
+            )
+        if S_shape[:-2] == batch_shape and len(S_shape) == len(want) and S_shape[-1] == d_v:
+            if S_shape[-2] != d_phi:
+                raise ValueError(
+                    f"{name} was built with a feature map of {S_shape[-2]} features, but "
+                    f"feature_map gives {d_phi} for these inputs; pass the same feature_map "
+                    "that built the state"
+                )
+        for part, got, expected in (("S", S_shape, want), ("z", z_shape, (*batch_shape, d_phi))):
+            if got != expected:
+                raise ValueError(f"{name}.{part} must have shape {expected}, got {got}")
+    return S, z
 
 
 def check_matrix_state(inputs: AttentionInputs, state: Any, shape: tuple, *, name: str) -> Any:
@@ -244,7 +415,7 @@ def check_matrix_state(inputs: AttentionInputs, state: Any, shape: tuple, *, nam
         )
     if namespace_of(**{name: state}) is not xp:
         raise TypeError(f"{name} must be an array of the same library as q")
-    if array_api_compat.device(state) != inputs.device:
+    if _other_device(inputs.device, state):
         raise ValueError(
             f"{name} is on device {array_api_compat.device(state)} but q is on device "
             f"{inputs.device}"
@@ -276,7 +447,7 @@ def check_coefficient(
     Array values are not checked: that would read data (lazy and accelerator backends).
     """
     xp = inputs.xp
-    if isinstance(x, Real) and not isinstance(x, bool):
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
         low, high = bounds
         value = float(x)
         if not (math.isfinite(value) and low <= value <= high):  # also refuses nan and inf
@@ -286,7 +457,7 @@ def check_coefficient(
         raise TypeError(f"{name} must be a float or an array, got {type(x).__name__}")
     if namespace_of(**{name: x}) is not xp:
         raise TypeError(f"{name} must be an array of the same library as q")
-    if array_api_compat.device(x) != inputs.device:
+    if _other_device(inputs.device, x):
         raise ValueError(
             f"{name} is on device {array_api_compat.device(x)} but q is on device {inputs.device}"
         )

@@ -7,12 +7,20 @@ from itertools import pairwise
 from typing import Any
 
 from ._chunked import causal_chunked
+from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
-from ._prepare import apply_feature_map, finish
+from ._prepare import apply_feature_map, finish, select
 from ._quadratic import quadratic
 from ._recurrent import causal_recurrent
 from ._state import LinearAttentionState
-from ._validation import check_cu_seqlens, check_mask, check_options, check_qkv, check_state
+from ._validation import (
+    check_cu_seqlens,
+    check_mask,
+    check_method,
+    check_options,
+    check_qkv,
+    check_state,
+)
 from ._varlen import length_mask, pack, unpack
 
 __all__ = [
@@ -42,6 +50,7 @@ def causal_linear_attention(
     return_state: bool = False,
     attention_mask: Any | None = None,
     cu_seqlens: Sequence[int] | None = None,
+    seq_axis: int = DEFAULT_SEQ_AXIS,
 ) -> Any:
     r"""Causal linear attention: ``o_t = phi(q_t) S_t / (phi(q_t) @ z_t + eps)``.
 
@@ -51,45 +60,71 @@ def causal_linear_attention(
     Parameters
     ----------
     q, k : array
-        Queries and keys, shape ``(..., T, d_k)``, any number of leading batch/head dimensions.
+        Queries and keys, shape ``(..., T, d_k)``, any number of leading batch/head dimensions
+        (with ``seq_axis``, T may sit on another axis: ``(B, T, H, d_k)`` with ``seq_axis=1``).
     v : array
         Values, shape ``(..., T, d_v)``, the same leading dimensions and dtype.
     feature_map : callable, optional
         Positive feature map applied to ``q`` and ``k``; default
         :func:`polylin.feature_maps.elu_plus_one`. If it has a ``map_query`` method, that maps the
         queries (any per-query scale cancels in the normalization; see
-        :func:`polylin.feature_maps.favor_plus`).
+        :func:`polylin.feature_maps.favor_plus`). It must return a real floating array of the
+        inputs' library, ``(..., d_phi)``, and act on each token alone.
     method : {"chunked", "recurrent", "quadratic"}
         ``"chunked"``: the parallel chunkwise form, O(T C d + T d_k d_v), never a T x T matrix.
         ``"recurrent"``: one state update per token, O(d_k d_v) memory. ``"quadratic"``: the
         masked kernel form, O(T^2).
     chunk_size : int
-        Chunk length C of the chunked form (T need not be a multiple of it).
+        Chunk length C of the chunked form (T need not be a multiple of it); any integer >= 1
+        (checked for every method).
     eps : float
-        Added to the normalizer ``phi(q_t) . z_t``; must be > 0.
+        Added to the normalizer ``phi(q_t) . z_t``; any real number that is positive and finite
+        in the work dtype (at least its smallest normal number: ``1.2e-38`` for float32).
     initial_state : LinearAttentionState, optional
-        State ``(S, z)`` to continue from, shapes ``(..., d_phi, d_v)`` and ``(..., d_phi)``.
-        With ``cu_seqlens`` there is one per sequence: ``(..., N, d_phi, d_v)``.
+        State ``(S, z)`` to continue from, shapes ``(..., d_phi, d_v)`` and ``(..., d_phi)``
+        (``...``: the inputs' leading dimensions without T), in the work dtype. With
+        ``cu_seqlens`` there is one per sequence: ``(..., N, d_phi, d_v)``.
     return_state : bool
         Also return the state after the last token.
     attention_mask : array of bool, optional
-        ``(..., T)``, True for real tokens, broadcastable to ``q.shape[:-1]``. Masked keys add to
-        neither S nor z; outputs at masked positions are exactly zero. Left or right padding.
+        True for real tokens. A 2-D ``(batch, T)`` mask (what a tokenizer returns) always means
+        the first leading axis and the time axis, for any layout and number of head axes; any
+        other mask has the shape of ``q`` without its feature axis (size-1 axes broadcast), in
+        the inputs' layout. Masked positions are selected away, never multiplied: whatever
+        ``q``, ``k``, ``v`` hold there (NaN, inf), they add to neither S nor z, real outputs
+        are those without them, and masked outputs are exactly zero. Left or right padding.
     cu_seqlens : sequence of int, optional
         Offsets ``[0, l1, l1 + l2, ..., T]`` of packed independent sequences along the T axis.
+    seq_axis : int
+        The axis of T in ``q``, ``k`` and ``v`` (default -2: ``(..., T, d)``); ``seq_axis=1``
+        takes ``(batch, T, heads, d)``. The output keeps the input layout; the state's leading
+        dimensions are the inputs' without T and the feature axis.
 
     Returns
     -------
     array or (array, LinearAttentionState)
-        The output, shape ``(..., T, d_v)``, same library, device and dtype as ``q``; with
-        ``return_state`` also the final state (float32 for 16-bit inputs).
+        The output, the shape of ``q`` with ``d_v`` features, same library, device and dtype as
+        ``q``; with ``return_state`` also the final state (float32 for 16-bit inputs).
 
     Raises
     ------
     TypeError
-        Arrays from different libraries, non-floating dtypes, a non-callable feature map.
+        Arrays from different libraries, non-floating dtypes, unsupported arrays (NumPy masked
+        arrays, ml_dtypes dtypes, sparse tensors), a non-callable feature map or one returning
+        another library or a complex array, a state of another dtype, options of the wrong type
+        or traced under ``jax.jit`` (they must be static).
     ValueError
-        Mismatched shapes or devices, an unknown method, ``chunk_size < 1``, ``eps <= 0``.
+        Mismatched shapes or devices, a mask that fits neither mask rule, an unknown method,
+        ``chunk_size < 1``, ``eps`` not positive and finite in the work dtype.
+
+    Notes
+    -----
+    Non-finite values: a NaN or inf in an *unmasked* query or key at position t never changes
+    an output before t (all methods). A non-finite *value* ``v_t`` does reach earlier outputs
+    through a matrix product (``0 * nan`` is NaN): in the chunked form the outputs from the
+    start of t's chunk (``t - t % chunk_size``), in the quadratic form all outputs; only the
+    recurrent form keeps every output before t. See the documentation page "Numerics and
+    non-finite values".
 
     Examples
     --------
@@ -107,54 +142,59 @@ def causal_linear_attention(
     >>> bool(np.allclose(out, ref))
     True
     """
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=True)
-    check_options(eps=eps, chunk_size=chunk_size)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    eps, chunk_size = check_options(eps=eps, chunk_size=chunk_size, inputs=inputs)
+    check_method(method, METHODS)
+    xp = inputs.xp
+    T = q.shape[-2]
     if cu_seqlens is not None:
         if attention_mask is not None:
             raise ValueError("pass attention_mask or cu_seqlens, not both")
-        offsets = check_cu_seqlens(cu_seqlens, q.shape[-2])
+        offsets = check_cu_seqlens(cu_seqlens, T)
         max_len = max(b - a for a, b in pairwise(offsets))
+        lengths = length_mask(xp, offsets, max_len, inputs.device)
         out, state = causal_linear_attention(
-            *(pack(inputs.xp, x, offsets, max_len) for x in (q, k, v)),
+            *(pack(xp, x, offsets, max_len) for x in (q, k, v)),
             feature_map,
             method=method,
             chunk_size=chunk_size,
             eps=eps,
             initial_state=initial_state,
             return_state=True,
-            attention_mask=length_mask(inputs.xp, offsets, max_len, inputs.device),
+            # full rank: with head axes a 2-D mask would mean (batch, T)
+            attention_mask=xp.reshape(lengths, (*[1] * len(inputs.batch_shape), *lengths.shape)),
         )
-        out = unpack(inputs.xp, out, offsets)
+        out = layout.restore(unpack(xp, out, offsets))
         return (out, state) if return_state else out
 
+    mask = None if attention_mask is None else check_mask(inputs, attention_mask, T, layout)
+    # Padding may hold anything (uninitialized memory): select it away before any arithmetic.
+    q, k, v = (select(xp, mask, x) for x in (q, k, v))
     v = inputs.to_work_dtype(v)
-    mask = None
-    if attention_mask is not None:
-        mask = check_mask(inputs, attention_mask, q.shape[-2])
 
     def features(start: int, stop: int) -> tuple[Any, Any]:
         # A feature map acts on each token alone, so the chunked form maps block by block.
         fq, fk = apply_feature_map(
             inputs, feature_map, q[..., start:stop, :], k[..., start:stop, :]
         )
-        return fq, (fk if mask is None else fk * mask[..., start:stop, :])
+        # phi(0) is not 0: masked keys are selected away again after the map.
+        return fq, (fk if mask is None else select(xp, mask[..., start:stop, :], fk))
 
-    T = q.shape[-2]
     # The chunked form maps its own blocks: there a one-token probe gives the feature size.
     fq, fk = features(0, min(T, 1)) if method == "chunked" else features(0, T)
     S, z = check_state(
         inputs, initial_state, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
     )
-    xp = inputs.xp
+    if T == 0:  # the new state must not be the caller's own arrays
+        S, z = xp.asarray(S, copy=True), xp.asarray(z, copy=True)
     if method == "chunked":
         out, S, z = causal_chunked(xp, features, v, S, z, chunk_size=chunk_size, eps=eps)
     elif method == "recurrent":
         out, S, z = causal_recurrent(xp, fq, fk, v, S, z, eps=eps)
     else:
         out, S, z = quadratic(xp, fq, fk, v, S, z, causal=True, eps=eps)
-    out = finish(inputs, out, mask)
+    out = layout.restore(finish(inputs, out, mask))
     return (out, LinearAttentionState(S, z)) if return_state else out
 
 
@@ -167,6 +207,7 @@ def linear_attention(
     *,
     eps: float = DEFAULT_EPS,
     attention_mask: Any | None = None,
+    seq_axis: int = DEFAULT_SEQ_AXIS,
 ) -> Any:
     """Non-causal linear attention: every query attends to every key.
 
@@ -184,10 +225,14 @@ def linear_attention(
     feature_map : callable, optional
         Positive feature map; default :func:`polylin.feature_maps.elu_plus_one`.
     eps : float
-        Added to the normalizer; must be > 0.
+        Added to the normalizer; positive and finite in the work dtype.
     attention_mask : array of bool, optional
-        ``(..., T_k)``, True for real keys; masked keys add to neither S nor z. When
-        ``T_q == T_k`` (self-attention) the outputs at masked positions are also zero.
+        True for real keys: ``(batch, T_k)``, or the shape of ``k`` without its feature axis
+        (size-1 axes broadcast), as for :func:`causal_linear_attention`. Masked keys and values
+        add to neither S nor z whatever they hold. When ``T_q == T_k`` (self-attention) the
+        outputs at masked positions are also exactly zero.
+    seq_axis : int
+        The axis of T in ``q``, ``k`` and ``v`` (default -2); the output keeps the layout.
 
     Returns
     -------
@@ -199,7 +244,7 @@ def linear_attention(
     TypeError
         Arrays from different libraries, non-floating dtypes.
     ValueError
-        Mismatched shapes or devices, ``eps <= 0``.
+        Mismatched shapes or devices, ``eps`` not positive and finite in the work dtype.
 
     Examples
     --------
@@ -214,20 +259,22 @@ def linear_attention(
            [1., 1.],
            [1., 1.]])
     """
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=False)
-    check_options(eps=eps)
+    eps, _ = check_options(eps=eps, inputs=inputs)
     xp = inputs.xp
-    fq, fk = apply_feature_map(inputs, feature_map, q, k)
-    v = inputs.to_work_dtype(v)
-    query_mask = None
+    mask = query_mask = None
     if attention_mask is not None:
-        mask = check_mask(inputs, attention_mask, k.shape[-2])
-        fk = fk * mask
+        mask = check_mask(inputs, attention_mask, k.shape[-2], layout)
         query_mask = mask if q.shape[-2] == k.shape[-2] else None
+    k, v = select(xp, mask, k), select(xp, mask, v)
+    fq, fk = apply_feature_map(inputs, feature_map, select(xp, query_mask, q), k)
+    fk = select(xp, mask, fk)
+    v = inputs.to_work_dtype(v)
     S = xp.matmul(xp.matrix_transpose(fk), v)
     z = xp.sum(fk, axis=-2)
     out = xp.matmul(fq, S) / (xp.matmul(fq, z[..., None]) + eps)
-    return finish(inputs, out, query_mask)
+    return layout.restore(finish(inputs, out, query_mask))
 
 
 def masked_kernel_attention(
@@ -239,6 +286,7 @@ def masked_kernel_attention(
     *,
     causal: bool = True,
     eps: float = DEFAULT_EPS,
+    seq_axis: int = DEFAULT_SEQ_AXIS,
 ) -> Any:
     """The quadratic reference: ``A = tril(phi(Q) phi(K)^T)``, ``O = A V / (A 1 + eps)``.
 
@@ -256,7 +304,9 @@ def masked_kernel_attention(
     causal : bool
         Apply the lower-triangular mask (query t sees keys s <= t).
     eps : float
-        Added to the row sums ``A 1``; must be > 0.
+        Added to the row sums ``A 1``; positive and finite in the work dtype.
+    seq_axis : int
+        The axis of T in ``q``, ``k`` and ``v`` (default -2); the output keeps the layout.
 
     Returns
     -------
@@ -268,7 +318,7 @@ def masked_kernel_attention(
     TypeError
         Arrays from different libraries, non-floating dtypes.
     ValueError
-        Mismatched shapes or devices, ``eps <= 0``.
+        Mismatched shapes or devices, ``eps`` not positive and finite in the work dtype.
 
     Examples
     --------
@@ -281,10 +331,11 @@ def masked_kernel_attention(
            [2.],
            [2.]])
     """
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=causal)
-    check_options(eps=eps)
+    eps, _ = check_options(eps=eps, inputs=inputs)
     fq, fk = apply_feature_map(inputs, feature_map, q, k)
     v = inputs.to_work_dtype(v)
     S, z = check_state(inputs, None, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="state")
     out, _, _ = quadratic(inputs.xp, fq, fk, v, S, z, causal=causal, eps=eps)
-    return finish(inputs, out, None)
+    return layout.restore(finish(inputs, out, None))

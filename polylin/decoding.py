@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from ._policy import DEFAULT_EPS
-from ._prepare import apply_feature_map, finish
+from ._prepare import apply_feature_map, finish, select
 from ._recurrent import recurrent_step
 from ._state import LinearAttentionState
-from ._validation import check_options, check_qkv, check_state
+from ._validation import check_options, check_qkv, check_state, check_token_mask
 from .attention import FeatureMap
 
 __all__ = ["step"]
@@ -23,6 +23,7 @@ def step(
     feature_map: FeatureMap | None = None,
     *,
     eps: float = DEFAULT_EPS,
+    attention_mask: Any | None = None,
 ) -> tuple[Any, LinearAttentionState]:
     """Attend one new token: update the state with ``(k_t, v_t)`` and read it with ``q_t``.
 
@@ -40,24 +41,35 @@ def step(
     state : LinearAttentionState, optional
         The state before this token; ``None`` starts from zeros.
     feature_map : callable, optional
-        Positive feature map; default :func:`polylin.feature_maps.elu_plus_one`. Use the one
-        the state was built with.
+        Positive feature map; default :func:`polylin.feature_maps.elu_plus_one`. Pass the one
+        the state was built with: a map of another feature size is an error naming the sizes,
+        but a different map of the *same* size cannot be detected and silently gives wrong
+        outputs.
     eps : float
-        Added to the normalizer; must be > 0.
+        Added to the normalizer; positive and finite in the work dtype.
+    attention_mask : array of bool, optional
+        Which rows take this token, shape ``q_t.shape[:-1]`` (size-1 axes broadcast) or 1-D
+        ``(batch,)`` for the first leading axis. Rows where it is False keep their state
+        exactly (the same values, new arrays) and output exactly 0, whatever ``q_t``, ``k_t``,
+        ``v_t`` hold there: finished sequences in a batch, continuous batching.
 
     Returns
     -------
     o_t : array
         Shape ``(..., d_v)``, same library, device and dtype as ``q_t``.
     state : LinearAttentionState
-        The state after this token (float32 for 16-bit inputs).
+        The state after this token, in the work dtype: float32 for 16-bit inputs, else the
+        inputs' dtype. A given ``state`` must already be in that dtype.
 
     Raises
     ------
     TypeError
-        Arrays from different libraries, non-floating dtypes, a malformed state.
+        Arrays from different libraries, non-floating dtypes, a malformed state or one of
+        another dtype than the work dtype.
     ValueError
-        Mismatched shapes or devices, ``eps <= 0``.
+        Mismatched shapes or devices (a token that still has its length-1 T axis; a state
+        built with a feature map of another size), ``eps`` not positive and finite in the work
+        dtype.
 
     Examples
     --------
@@ -75,9 +87,23 @@ def step(
     True
     """
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
-    check_options(eps=eps)
-    fq, fk = apply_feature_map(inputs, feature_map, q_t, k_t)
+    eps, _ = check_options(eps=eps, inputs=inputs)
+    xp = inputs.xp
+    mask = None if attention_mask is None else check_token_mask(inputs, attention_mask)
+    q_t, k_t, v_t = (select(xp, mask, x) for x in (q_t, k_t, v_t))
+    fq, fk = apply_feature_map(inputs, feature_map, q_t, k_t, names=("q_t", "k_t"))
+    fk = select(xp, mask, fk)
     v_t = inputs.to_work_dtype(v_t)
-    S, z = check_state(inputs, state, inputs.batch_shape, fq.shape[-1], v_t.shape[-1], name="state")
-    o_t, S, z = recurrent_step(inputs.xp, fq, fk, v_t, S, z, eps)
-    return finish(inputs, o_t, None), LinearAttentionState(S, z)
+    S0, z0 = check_state(
+        inputs,
+        state,
+        inputs.batch_shape,
+        fq.shape[-1],
+        v_t.shape[-1],
+        name="state",
+        token_shape=tuple(q_t.shape),
+    )
+    o_t, S, z = recurrent_step(xp, fq, fk, v_t, S0, z0, eps)
+    if mask is not None:  # rows that do not take the token keep their state exactly
+        S, z = xp.where(mask[..., None], S, S0), xp.where(mask, z, z0)
+    return finish(inputs, o_t, mask), LinearAttentionState(S, z)
