@@ -13,6 +13,7 @@ from itertools import pairwise
 from typing import Any
 
 from ._delta import delta_chunked, delta_recurrent, delta_step
+from ._layout import DEFAULT_SEQ_AXIS, SequenceLayout, standard_layout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import finish
 from ._typing import Array
@@ -22,6 +23,7 @@ from ._validation import (
     check_cu_seqlens,
     check_mask,
     check_matrix_state,
+    check_method,
     check_options,
     check_qkv,
 )
@@ -36,6 +38,17 @@ DELTA_METHODS = ("chunked", "recurrent")
 #: (eigenvalue ``1 - beta`` along the key), the condition for a stable recurrence.
 _BETA_BOUNDS = (0.0, 2.0)
 _LOG_DECAY_BOUNDS = (-math.inf, 0.0)
+
+
+def _in_standard_layout(layout: SequenceLayout, name: str, x: Any) -> Any:
+    """A per-token array given in the inputs' layout, with its time axis moved to -2.
+
+    With a non-default ``seq_axis`` the array must have the rank of ``q`` (size-1 axes
+    broadcast): a lower rank would not say which axis is T.
+    """
+    if layout.is_standard or x is None or isinstance(x, (int, float)):
+        return x
+    return layout.to_standard(**{name: x})[0]
 
 
 def _log_decay(inputs: AttentionInputs, log_decay: Any, shape: tuple) -> Any | None:
@@ -87,6 +100,7 @@ def delta_rule_attention(
     return_state: bool = False,
     attention_mask: Array | None = None,
     cu_seqlens: Sequence[int] | None = None,
+    seq_axis: int = DEFAULT_SEQ_AXIS,
 ) -> Array:
     r"""The (gated) delta rule: ``S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T``.
 
@@ -121,12 +135,18 @@ def delta_rule_attention(
     return_state : bool
         Also return the state after the last token.
     attention_mask : array of bool, optional
-        ``(..., T)``, True for real tokens, broadcastable to ``q.shape[:-1]``. A masked token
-        neither writes to nor decays the state, and its output is 0; its inputs are never read
-        (they may be NaN).
+        True for real tokens: a 2-D ``(batch, T)`` mask (the first leading axis and the time
+        axis), or the shape of ``q`` without its feature axis (size-1 axes broadcast), as for
+        :func:`~polylin.causal_linear_attention`. A masked token neither writes to nor decays
+        the state, and its output is 0; its inputs are never read (they may be NaN).
     cu_seqlens : sequence of int, optional
         Offsets ``[0, l1, l1 + l2, ..., T]`` of packed independent sequences along the T axis;
         each starts from its own state.
+    seq_axis : int
+        The axis of T in ``q``, ``k`` and ``v`` (default -2: ``(..., T, d)``); ``seq_axis=1``
+        takes ``(batch, T, heads, d)``, and then ``beta`` and ``log_decay`` arrays are
+        ``(batch, T, heads, 1)`` (the rank of ``q``). The output keeps the input layout; the
+        state's leading dimensions are the inputs' without T and the feature axis.
 
     Returns
     -------
@@ -168,10 +188,13 @@ def delta_rule_attention(
     >>> bool(np.allclose(out, ref)), state.shape
     (True, (2, 8, 8))
     """
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=True)
-    check_options(eps=DEFAULT_EPS, chunk_size=chunk_size)
-    if method not in DELTA_METHODS:
-        raise ValueError(f"method must be one of {DELTA_METHODS}, got {method!r}")
+    check_options(eps=DEFAULT_EPS, chunk_size=chunk_size)  # an Integral >= 1, not a tracer
+    chunk_size = int(chunk_size)
+    check_method(method, DELTA_METHODS)
+    beta = _in_standard_layout(layout, "beta", beta)
+    log_decay = _in_standard_layout(layout, "log_decay", log_decay)
     xp = inputs.xp
     batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]
     per_token = (*batch, T, 1)
@@ -197,12 +220,12 @@ def delta_rule_attention(
         S = check_matrix_state(inputs, initial_state, (*batch, d_k, d_v), name="initial_state")
         keep = None
         if attention_mask is not None:
-            mask = check_mask(inputs, attention_mask, T)
+            mask = check_mask(inputs, attention_mask, T, layout)
             keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
         out, S = _run(xp, arrays, S, keep, method=method, chunk_size=chunk_size)
     if T == 0 and initial_state is not None:  # never hand back the caller's own array
         S = xp.asarray(S, copy=True)
-    out = finish(inputs, out, None)
+    out = layout.restore(finish(inputs, out, None))
     return (out, S) if return_state else out
 
 

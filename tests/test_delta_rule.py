@@ -558,3 +558,38 @@ def test_positive_log_decay_is_taken_as_zero(rng):
         below = delta_rule_attention(q, k, v, beta, log_decay=shifted).sum()
         above = delta_rule_attention(q, k, v, beta, log_decay=log_decay).sum()
         np.testing.assert_allclose(grad.numpy()[index], (above - below) / h, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", polylin.DELTA_METHODS)
+def test_seq_axis(backend, rng, method):
+    """(batch, T, heads, d) inputs with seq_axis=1: beta and log decay (batch, T, heads, 1), a
+    2-D (batch, T) mask (batch == heads here: the mask must follow batch), the state
+    (batch, heads, d_k, d_v); the output keeps the layout."""
+    B = H = 2
+    q, k, v, beta, log_decay = make_inputs(rng, lead=(B, H))  # (B, H, T, d)
+    mask = np.ones((B, T), bool)
+    mask[1, :4] = False
+    S0 = rng.standard_normal((B, H, D_K, D_V))
+    want, want_state = reference(q, k, v, beta, log_decay, state=S0, mask=mask[:, None, :])
+    bthd = [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in (q, k, v, beta, log_decay)]
+    out, state = run(
+        backend, delta, *bthd[:3], beta=bthd[3], log_decay=bthd[4], initial_state=S0,
+        attention_mask=mask, seq_axis=1, method=method, chunk_size=CHUNK, return_state=True,
+    )  # fmt: skip
+    assert tuple(out.shape) == (B, T, H, D_V)
+    close(backend, out, np.swapaxes(want, 1, 2))
+    close(backend, state, want_state)
+
+
+def test_seq_axis_with_cu_seqlens_and_bad_ranks(rng):
+    offsets = [0, 4, T]
+    q, k, v, beta, _ = make_inputs(rng, lead=(1, 2))  # (1, H, T, d)
+    bthd = [np.swapaxes(x, 1, 2) for x in (q, k, v, beta)]
+    out = delta_rule_attention(*bthd, cu_seqlens=offsets, seq_axis=1, chunk_size=CHUNK)
+    for a, b in itertools.pairwise(offsets):
+        want, _ = reference(*(x[..., a:b, :] for x in (q, k, v, beta)))
+        np.testing.assert_allclose(out[:, a:b], np.swapaxes(want, 1, 2), atol=ATOL64, rtol=0)
+    with pytest.raises(ValueError, match="beta has 3 dimensions but q has 4"):
+        delta_rule_attention(*bthd[:3], beta[0], seq_axis=1)
+    with pytest.raises(ValueError, match="seq_axis=3 is the feature axis of q"):
+        delta_rule_attention(*bthd, seq_axis=3)
