@@ -379,12 +379,10 @@ def test_gradients_jax(rng):
         )
         return (out * out_weight).sum() + (state * state_weight).sum()
 
-    grad = {
-        m: jax.grad(functools.partial(loss, method=m), argnums=tuple(range(6)))
+    grads = {
+        m: jax.jit(jax.grad(functools.partial(loss, method=m), argnums=tuple(range(6))))(*xs)
         for m in polylin.DELTA_METHODS
     }
-    # The recurrent loop runs op by op (compiling its unrolled loop costs more than running it).
-    grads = {"chunked": jax.jit(grad["chunked"])(*xs), "recurrent": grad["recurrent"](*xs)}
     for chunked, recurrent in zip(grads["chunked"], grads["recurrent"]):
         assert np.abs(np.asarray(recurrent)).max() > 0
         np.testing.assert_allclose(np.asarray(chunked), np.asarray(recurrent), atol=1e-10, rtol=0)
