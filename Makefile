@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 CONSTRAINTS = -c backends/torch-cpu-constraints.txt
 
-.PHONY: help venv demo test test-fast lint docs bench gpu-wheels clean
+.PHONY: help venv demo test test-slow test-fast lint docs bench gpu-wheels clean
 
 help:
 	@echo "make demo   set up .venv (NumPy + CPU PyTorch) and run the demo table"
@@ -39,8 +39,12 @@ demo: $(VENV)/.demo-stamp
 test: $(VENV)/.test-stamp
 	$(PY) -m ruff check polylin tests benchmarks
 	$(PY) -m mypy
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow"
 	POLYLIN_DOCS_OFFLINE=1 $(MAKE) docs
+
+# The tests marked slow (starting local Dask clusters): a separate CI step (.ci/run).
+test-slow: $(VENV)/.test-stamp
+	$(PY) -m pytest -m slow
 
 test-fast: $(VENV)/.test-stamp
 	POLYLIN_BACKENDS=numpy,torch $(PY) -m pytest -x -q -m "not slow"

@@ -10,7 +10,8 @@ either mode of :data:`MODES`:
 
 - ``forward``: the call itself;
 - ``forward+backward``: ``out.sum().backward()`` with PyTorch (fresh leaves, gradients reset
-  before each call), ``jax.grad`` of ``sum(out)`` with JAX; other libraries have no autograd.
+  before each call), ``jax.jit(jax.grad(...))`` of ``sum(out)`` with JAX; other libraries have
+  no autograd.
 
 Adding an implementation is one decorated function (see ``benchmarks/README.md``)::
 
@@ -122,7 +123,8 @@ def make_call(impl: Implementation, setup: Setup, xs: list[Any], mode: str) -> C
     if setup.backend in (Backend.JAX, Backend.JAX_CUDA):
         import jax
 
-        grad = jax.grad(lambda *a: jax.numpy.sum(fn(*a)), argnums=tuple(range(len(xs))))
+        # under jit, as training code runs it (compiled in the untimed warm-up call)
+        grad = jax.jit(jax.grad(lambda *a: jax.numpy.sum(fn(*a)), argnums=tuple(range(len(xs)))))
         return lambda: jax.block_until_ready(grad(*xs))[0]
     raise Skip(f"{setup.backend} has no autograd: forward only")
 
@@ -245,6 +247,51 @@ def _fla_chunk(setup: Setup) -> Callable[..., Any]:
     except ImportError as exc:
         raise Skip(str(exc)) from None
     return functools.partial(baselines.fla_chunk, chunk_linear_attn)
+
+
+# -- decay and gating (issue 14): polylin's gated forms, a different function (not compared) --
+def _gates(width: str) -> Callable[[Setup, list[Any]], list[Any]]:
+    """Log decays in (-inf, 0] made from the keys outside the timer: one per token
+    (``width="token"``, shape ``(..., T, 1)``) or one per channel (``(..., T, d)``)."""
+
+    def make(setup: Setup, xs: list[Any]) -> list[Any]:
+        import array_api_compat
+
+        k = xs[1]
+        xp = array_api_compat.array_namespace(k)
+        source = k[..., :1] if width == "token" else k
+        return [-0.1 * xp.abs(source)]
+
+    return make
+
+
+def _gated(method: str) -> Builder:
+    def build(setup: Setup) -> Callable[..., Any]:
+        def forward(q: Any, k: Any, v: Any, log_decay: Any) -> Any:
+            return causal_linear_attention(
+                q, k, v, method=method, chunk_size=setup.chunk_size, log_decay=log_decay,
+                normalize=False,
+            )  # fmt: skip
+
+        return forward
+
+    return build
+
+
+for _width in ("token", "channel"):
+    register(
+        f"decay_{_width}",
+        compare=False,
+        extra_inputs=_gates(_width),
+        description=f"polylin's chunked form with a log decay per {_width}, normalize=False",
+    )(_gated("chunked"))
+    register(
+        f"recurrent_decay_{_width}",
+        loop=True,
+        compare=False,
+        extra_inputs=_gates(_width),
+        description=f"polylin's per-token form with a log decay per {_width}, normalize=False",
+    )(_gated("recurrent"))
 
 
 # --------------------------------------------------------------------------------------------

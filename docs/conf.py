@@ -83,6 +83,7 @@ numpydoc_validation_exclude = {
     r"^polylin\.feature_maps\.[A-Z][A-Z0-9_]*$",
     r"^polylin\.LinearAttentionState\.\w+$",
     r"^polylin\.testing\.Backend\.\w+$",
+    r"^polylin\.testing\.[A-Z][A-Z0-9_]*$",
     r"^polylin\.feature_maps\.\w+FeatureMap\.\w+$",
     r"^polylin(\.feature_maps|\.testing)?$",
 }

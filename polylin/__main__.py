@@ -87,6 +87,9 @@ def demo(args: argparse.Namespace) -> int:
         print("\nnot run here:")
         for b in skipped:
             print(f"  {b.value:<17} {b.unavailable_reason()}")
+    for b in _usable(args.backends):
+        if "float64" not in b.float_dtypes():  # JAX in its default mode
+            print(f"\n{b.value}: no float64 here (JAX_ENABLE_X64=1 turns on JAX's 64-bit mode)")
     return 0
 
 

@@ -1,37 +1,56 @@
-"""The chunked parallel form: batched matmuls within chunks, a prefix sum of states across them.
+"""The chunked parallel form: batched matmuls within chunks, a prefix of states across them.
 
-For chunk n (rows of phi(Q), phi(K), V), with M the lower-triangular ones matrix::
+For chunk n (rows of phi(Q), phi(K), V) without decay, with M the lower-triangular ones::
 
     U_n = K_n^T V_n                     per-chunk state increment
-    S_n = S_0 + sum_{m<n} U_m           exclusive prefix sum over the chunk axis
-    O_n = Q_n S_n + ((Q_n K_n^T) * M) V_n
+    S_n = S_0 + sum_{m<n} U_m           exclusive prefix over the chunk axis
+    O_n = Q_n S_n + where(M, Q_n K_n^T, 0) V_n
+
+With a log decay ``g`` (``docs/decay.md``), ``b_t`` is the cumulative log decay from the start
+of the chunk to token t (inclusive) and ``B_n`` its value at the chunk's end::
+
+    U_n = (K_n * exp(B_n - b))^T V_n                      every exponent <= 0
+    S_{n+1} = exp(B_n) S_n + U_n                          (diag(exp(B_n)) per channel)
+    O_n = (Q_n * exp(b)) S_n + A_n V_n,   A_ts = sum_c q_tc k_sc exp(b_tc - b_sc)  (s <= t)
+
+Every exponential is of a sum of log decays over a stretch of the chunk, computed as that sum
+(never as a difference of two large cumulative sums, which loses float32 precision), so each
+factor is in (0, 1] whatever the decay strength. A scalar gate per token factors the scores as
+``(Q K^T) * exp(segment sums)``; a per-channel gate cannot be factored over a whole chunk, so
+the chunk is cut into sub-chunks of :data:`SUB_CHUNK` tokens: the off-diagonal sub-blocks use
+the start of the query's sub-chunk as reference (both factors <= 1, a batched matmul) and the
+diagonal sub-blocks are computed directly, ``(c, c, d_phi)`` per sub-chunk.
 
 The normalizer is not a separate computation: a column of ones is appended to V, so its last
 output column *is* ``phi(q_t) . z_t``, computed from exactly the same running sums as the
-numerator (the bug class where the two drift apart cannot happen). No T x T matrix is formed.
+numerator (and decayed exactly like them). No T x T matrix is formed.
+
+Autograd sees only whole-array operations: the sequence is cut into blocks and the chunk
+increments into states by one reshape and one ``unstack`` each (never a slice per block or per
+chunk, whose backward would allocate and zero a gradient of the whole input per slice), and the
+results are joined by ``stack``/``concat``. The backward is therefore linear in T on every
+autograd backend, with no custom gradient code.
 
 On eager CPU backends (NumPy, PyTorch CPU, array-api-strict) the sequence is processed in
-blocks of about :data:`BLOCK_BYTES` of features and values: the feature map, the ones
-column, the per-chunk states and the scores of one block stay in cache, no intermediate is
-allocated at the size of the whole sequence (those large allocations cost page faults on every
-call), and the state is carried from block to block. Inside a block the exclusive prefix sum is
-a short chain of additions, cheaper there than ``cumulative_sum`` over a middle axis. Lazy and
-accelerator backends (Dask, JAX, CuPy, PyTorch CUDA) get one block and one ``cumulative_sum``:
-they prefer few large operations, and a Dask chunk is already a unit of work.
+blocks of about :data:`BLOCK_BYTES` of features and values: the feature map, the ones column,
+the per-chunk states and the scores of one block stay in cache, and the state is carried from
+block to block by a short chain of additions. Lazy and accelerator backends (Dask, JAX, CuPy,
+PyTorch CUDA) get one block, a ``cumulative_sum`` over the chunk axis without decay and a
+logarithmic-depth scan with decay: they prefer few large operations.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from array_api_compat import device
 
-from ._ops import causal_mask, pad_rows
+from ._ops import causal_mask, pad_rows, split_rows
 from ._policy import eager_cpu
 
-__all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
+__all__ = ["BLOCK_BYTES", "SUB_CHUNK", "block_tokens", "causal_chunked"]
 
 #: Bytes per block on eager CPU backends, counted as batch x tokens x (d_phi + d_v) x itemsize;
 #: chosen by measurement (``docs/performance.md``): 2 MiB is 4096 rows (batch x tokens) at
@@ -40,9 +59,13 @@ __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 #: per-operation overhead); on one thread 1 MiB is up to 10% faster.
 BLOCK_BYTES = 2 * 2**20
 
-#: ``features(start, stop)`` returns ``(phi(q), phi(k))`` of tokens ``start:stop`` in the work
-#: dtype, masked keys already zeroed.
-Features = Callable[[int, int], tuple[Any, Any]]
+#: Sub-chunk length for per-channel decay: the diagonal sub-blocks cost ``T x SUB_CHUNK x d_phi``
+#: elementwise work and memory, the off-diagonal ones ``chunk / SUB_CHUNK`` copies of the keys.
+SUB_CHUNK = 16
+
+#: ``features(q, k, mask)`` returns ``(phi(q), phi(k))`` of one block of tokens in the work
+#: dtype, masked keys already zeroed (``mask`` is that block of the attention mask, or None).
+Features = Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
 def block_tokens(eager: bool, length: int, chunk: int, token_bytes: int) -> int:
@@ -57,12 +80,26 @@ def block_tokens(eager: bool, length: int, chunk: int, token_bytes: int) -> int:
 
 
 def causal_chunked(
-    xp: Any, features: Features, v: Any, S: Any, z: Any, *, chunk_size: int, eps: float
+    xp: Any,
+    features: Features,
+    q: Any,
+    k: Any,
+    v: Any,
+    S: Any,
+    z: Any,
+    *,
+    mask: Any | None = None,
+    log_decay: Any | None = None,
+    chunk_size: int,
+    eps: float,
+    normalize: bool = True,
 ) -> tuple[Any, Any, Any]:
     """Causal linear attention in chunks of ``chunk_size`` tokens, from the state ``(S, z)``.
 
-    ``features(start, stop)`` maps one block of queries and keys; a feature map acts on each
-    token alone (as :func:`polylin.step` also requires), so mapping block by block is exact.
+    ``features`` maps one block of queries and keys; a feature map acts on each token alone (as
+    :func:`polylin.step` also requires), so mapping block by block is exact. ``v`` is in the
+    work dtype; ``mask`` (``(..., T, 1)``) and ``log_decay`` (``(..., T or 1, 1 or d_phi)``,
+    already zero at masked tokens) broadcast against the leading dimensions.
     """
     *batch, T, d_v = v.shape
     if T == 0:
@@ -70,54 +107,250 @@ def causal_chunked(
     dev = device(v)
     # The ones column turns the normalizer into one more output column (see module docstring).
     state = xp.concat([S, z[..., None]], axis=-1)  # (..., d_phi, d_v + 1)
+    d_phi = S.shape[-2]
     chunk = min(chunk_size, T)
+    channels = log_decay is not None and log_decay.shape[-1] != 1
+    if channels and chunk > SUB_CHUNK:  # whole sub-chunks; padding changes no result
+        chunk = -(-chunk // SUB_CHUNK) * SUB_CHUNK
+    if log_decay is not None and log_decay.shape[-2] != T:
+        log_decay = xp.broadcast_to(log_decay, (*log_decay.shape[:-2], T, log_decay.shape[-1]))
     eager = eager_cpu(xp, dev)
     itemsize = xp.finfo(v.dtype).bits // 8
-    token_bytes = math.prod(batch) * (S.shape[-2] + d_v) * itemsize
+    token_bytes = math.prod(batch) * (d_phi + d_v) * itemsize
+    if channels:  # the diagonal sub-blocks hold SUB_CHUNK values per feature and token
+        token_bytes *= 1 + min(chunk, SUB_CHUNK) // 2
     block = block_tokens(eager, T, chunk, token_bytes)
-    mask = causal_mask(xp, chunk, chunk, None, dev)  # boolean: scores are selected
+    masks = _Masks.make(xp, chunk, channels, v.dtype, dev)
     outputs = []
-    for start in range(0, T, block):
-        stop = min(start + block, T)
-        fq, fk = features(start, stop)
-        out, state = _block(xp, fq, fk, v[..., start:stop, :], state, mask, eps=eps, chained=eager)
+    pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))
+    for q_b, k_b, v_b, mask_b, decay_b in zip(*pieces):
+        fq, fk = features(q_b, k_b, mask_b)
+        out, state = _block(
+            xp, fq, fk, v_b, decay_b, state, masks, eps=eps, normalize=normalize, chained=eager
+        )
         outputs.append(out)
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
     return out, state[..., :d_v], state[..., d_v]
 
 
+class _Masks(NamedTuple):
+    """The constant masks of one call, made once (not per block)."""
+
+    causal: Any  # (C, C) bool: s <= t
+    sub_causal: Any = None  # (c, c) bool, per-channel decay only
+    segments: Any = None  # (c, c * c) 0/1: segment_sum_matrix transposed
+    earlier: Any = None  # (m, m) bool: j < i, sub-chunks
+    same: Any = None  # (m, m) bool: i == j
+
+    @classmethod
+    def make(cls, xp: Any, chunk: int, channels: bool, dtype: Any, dev: Any) -> _Masks:
+        causal = causal_mask(xp, chunk, chunk, dev)
+        if not channels:
+            return cls(causal)
+        sub = min(chunk, SUB_CHUNK)
+        m = chunk // sub
+        index = xp.arange(m, device=dev)
+        return cls(
+            causal,
+            causal_mask(xp, sub, sub, dev),
+            xp.matrix_transpose(segment_sum_matrix(xp, sub, dtype, dev)),
+            causal_mask(xp, m, m, dev, strict=True),
+            index[:, None] == index[None, :],
+        )
+
+
 def _block(
-    xp: Any, fq: Any, fk: Any, v: Any, state: Any, mask: Any, *, eps: float, chained: bool
+    xp: Any,
+    fq: Any,
+    fk: Any,
+    v: Any,
+    log_decay: Any | None,
+    state: Any,
+    masks: _Masks,
+    *,
+    eps: float,
+    normalize: bool,
+    chained: bool,
 ) -> tuple[Any, Any]:
     """Outputs of one block of tokens and the state after it (``state`` has the ones column)."""
     *batch, length, d_v = v.shape
     d_phi = fq.shape[-1]
-    chunk = mask.shape[-1]
+    causal = masks.causal
+    chunk = causal.shape[-1]
     n_chunks = -(-length // chunk)
     padded = n_chunks * chunk
-    if padded != length:  # zero keys add nothing to the state; padded outputs are dropped
+    if padded != length:  # zero keys add nothing and zero log decays keep the state
         fq, fk, v = (pad_rows(xp, x, padded - length) for x in (fq, fk, v))
+        if log_decay is not None:
+            log_decay = pad_rows(xp, log_decay, padded - length)
     ones = xp.ones((*batch, padded, 1), dtype=v.dtype, device=device(v))
     v1 = xp.concat([v, ones], axis=-1)
     Q = xp.reshape(fq, (*batch, n_chunks, chunk, d_phi))
     K = xp.reshape(fk, (*batch, n_chunks, chunk, d_phi))
     V = xp.reshape(v1, (*batch, n_chunks, chunk, d_v + 1))
-    Kt = xp.matrix_transpose(K)
-    increments = xp.matmul(Kt, V)  # U_n
-    if chained:  # a short chain of additions: a block holds few chunks
-        running = [state]
-        for n in range(n_chunks):
-            running.append(running[-1] + increments[..., n, :, :])
-        new_state = running.pop()
-        states = xp.stack(running, axis=-3)
+    if log_decay is None:
+        Kt = xp.matrix_transpose(K)
+        increments = xp.matmul(Kt, V)  # U_n
+        scores = xp.where(causal, xp.matmul(Q, Kt), 0.0)
+        states, new_state = _prefix(xp, increments, None, state, chained=chained)
+        out = xp.matmul(Q, states) + xp.matmul(scores, V)
     else:
-        prefix = xp.cumulative_sum(increments, axis=-3, include_initial=True)
-        states = prefix[..., :-1, :, :] + state[..., None, :, :]
-        new_state = state + prefix[..., -1, :, :]
-    # Selected, not multiplied: a masked score may be inf or NaN (0 * inf is NaN).
-    scores = xp.where(mask, xp.matmul(Q, Kt), 0.0)
-    out = xp.matmul(Q, states) + xp.matmul(scores, V)
+        lead, width = log_decay.shape[:-2], log_decay.shape[-1]
+        G = xp.reshape(log_decay, (*lead, n_chunks, chunk, width))
+        before = xp.cumulative_sum(G, axis=-2)  # b_t: from the chunk start to t, inclusive
+        after = _sum_after(xp, G)  # B - b_s: from s (exclusive) to the chunk end
+        total = xp.sum(G, axis=-2, keepdims=True)  # B: the whole chunk
+        increments = xp.matmul(xp.matrix_transpose(K * xp.exp(after)), V)
+        decay = xp.matrix_transpose(xp.exp(total))  # (..., n, width, 1): scales state rows
+        states, new_state = _prefix(xp, increments, decay, state, chained=chained)
+        if width == 1:
+            scores = _scalar_gate_scores(xp, Q, K, G, causal)
+        else:
+            scores = _channel_gate_scores(xp, Q, K, G, masks)
+        out = xp.matmul(Q * xp.exp(before), states) + xp.matmul(scores, V)
     out = xp.reshape(out, (*batch, padded, d_v + 1))
     if padded != length:
         out = out[..., :length, :]
-    return out[..., :d_v] / (out[..., d_v:] + eps), new_state
+    if normalize:
+        return out[..., :d_v] / (out[..., d_v:] + eps), new_state
+    return out[..., :d_v], new_state
+
+
+def _sum_after(xp: Any, G: Any) -> Any:
+    """``sum_{r > s} g_r`` within each chunk (axis -2): a reversed exclusive cumulative sum."""
+    flipped = xp.cumulative_sum(xp.flip(G, axis=-2), axis=-2, include_initial=True)
+    return xp.flip(flipped[..., :-1, :], axis=-2)
+
+
+def _segment_sums(xp: Any, G: Any, axis: int) -> Any:
+    """``seg[t, s] = sum_{s < r <= t} g_r`` (0 where ``t <= s``), a new axis after ``axis``.
+
+    ``G`` has the token axis at ``axis`` (negative); the result has two token axes there, the
+    later one for s. Each entry is the sum of its own terms (Mamba-2's "segsum"), so it keeps
+    float32 precision where a difference of cumulative sums would not.
+    """
+    length = G.shape[axis]
+    later = causal_mask(xp, length, length, device(G), strict=True)  # r > s
+    if axis == -2:  # (..., C, w) -> (..., C(r), C(s), w)
+        repeated = G[..., :, None, :]
+        later = later[:, :, None]
+    else:  # axis == -1: (..., C) -> (..., C(r), C(s))
+        repeated = G[..., :, None]
+    terms = xp.where(later, repeated, 0.0)
+    return xp.cumulative_sum(terms, axis=axis - 1)
+
+
+def segment_sum_matrix(xp: Any, length: int, dtype: Any, dev: Any) -> Any:
+    """``(length * length, length)`` 0/1 matrix M with ``(M g)[t * length + s] = sum_{s<r<=t} g_r``.
+
+    Row ``(t, s)`` selects the tokens r with ``s < r <= t`` (no token where ``t <= s``): every
+    entry of the product is a sum of its own terms only (adding exact zeros), as precise as
+    a segment sum and computed as one matrix multiplication.
+    """
+    t = xp.arange(length, device=dev)[:, None, None]
+    s = xp.arange(length, device=dev)[None, :, None]
+    r = xp.arange(length, device=dev)[None, None, :]
+    selected = (s < r) & (r <= t)
+    return xp.astype(xp.reshape(selected, (length * length, length)), dtype)
+
+
+def _scalar_gate_scores(xp: Any, Q: Any, K: Any, G: Any, causal: Any) -> Any:
+    """``where(s <= t, (q_t . k_s) exp(sum_{s<r<=t} g_r), 0)`` for a scalar gate per token."""
+    decay = xp.exp(_segment_sums(xp, G[..., 0], axis=-1))  # (..., n, C, C), in (0, 1]
+    return xp.where(causal, xp.matmul(Q, xp.matrix_transpose(K)) * decay, 0.0)
+
+
+def _channel_gate_scores(xp: Any, Q: Any, K: Any, G: Any, masks: _Masks) -> Any:
+    """``A_ts = sum_c q_tc k_sc exp(sum_{s<r<=t} g_rc)`` for ``s <= t``, one gate per channel.
+
+    The chunk is cut into ``m`` sub-chunks of ``c`` tokens. For a query in sub-chunk i and a key
+    in an earlier sub-chunk j, the reference is the start of sub-chunk i: the query carries the
+    decay from there to t, the key the decay from s to there (both exponents <= 0), and the
+    scores of all earlier keys are one batched matmul per sub-chunk. Within a sub-chunk the
+    factors would not be bounded, so the diagonal sub-blocks are summed directly.
+    """
+    *lead, n, chunk, d_phi = Q.shape
+    sub = min(chunk, SUB_CHUNK)
+    m = chunk // sub
+    g_lead = G.shape[:-3]
+    width = G.shape[-1]
+    Gs = xp.reshape(G, (*g_lead, n, m, sub, width))
+    Qs = xp.reshape(Q, (*lead, n, m, sub, d_phi))
+    Ks = xp.reshape(K, (*lead, n, m, sub, d_phi))
+    # Diagonal sub-blocks: (..., n, m, d, c(t), c(s)) decays, each a sum of its own terms,
+    # computed for every sub-chunk and channel by one 2-D matmul with a constant 0/1 matrix
+    # (``segment_sum_matrix``): a GEMM instead of a cumulative sum over a middle axis.
+    rows = xp.reshape(xp.matrix_transpose(Gs), (-1, sub))  # (... * n * m * w, c)
+    segments = xp.matmul(rows, masks.segments)
+    within = xp.exp(xp.reshape(segments, (*g_lead, n, m, width, sub, sub)))
+    Qt, Kt = xp.matrix_transpose(Qs), xp.matrix_transpose(Ks)  # (..., n, m, d, c)
+    diagonal = xp.sum(within * Kt[..., :, None, :] * Qt[..., :, :, None], axis=-3)
+    diagonal = xp.where(masks.sub_causal, diagonal, 0.0)  # (..., n, m, c, c)
+    if m == 1:
+        return xp.reshape(diagonal, (*lead, n, chunk, chunk))
+    # Off-diagonal: key s in sub-chunk j < i carries sum_{s<r<i*c} g_r = (rest of j) + (whole
+    # sub-chunks strictly between j and i).
+    rest = _sum_after(xp, Gs)  # (..., n, m(j), c, w)
+    totals = xp.sum(Gs, axis=-2)  # (..., n, m, w)
+    between = xp.where(
+        masks.earlier[:, :, None],  # m > j
+        totals[..., :, None, :],
+        0.0,
+    )  # (..., n, m(m), m(j), w)
+    between = xp.cumulative_sum(between, axis=-3, include_initial=True)[..., :-1, :, :]
+    # between[i, j] = sum_{j < m' < i} totals_m' for j < i (0 otherwise)
+    earlier = masks.earlier[:, :, None, None]  # j < i
+    exponent = xp.where(earlier, between[..., :, :, None, :] + rest[..., None, :, :, :], 0.0)
+    keys = xp.where(earlier, Ks[..., None, :, :, :] * xp.exp(exponent), 0.0)
+    keys = xp.reshape(keys, (*lead, n, m, chunk, d_phi))  # (..., n, m(i), C(s), d)
+    queries = Qs * xp.exp(xp.cumulative_sum(Gs, axis=-2))  # decay from the sub-chunk start
+    off = xp.matmul(queries, xp.matrix_transpose(keys))  # (..., n, m, c, C)
+    # Place the diagonal sub-blocks: block (i, i) of the (m, c, m, c) layout.
+    same = masks.same[:, None, :, None]
+    off = xp.reshape(off, (*lead, n, m, sub, m, sub))
+    scores = xp.where(same, diagonal[..., :, :, None, :], off)
+    return xp.reshape(scores, (*lead, n, chunk, chunk))
+
+
+def _prefix(
+    xp: Any, increments: Any, decay: Any | None, state: Any, *, chained: bool
+) -> tuple[Any, Any]:
+    """States before each chunk and after the last: ``S_{n+1} = decay_n * S_n + U_n``.
+
+    ``increments`` is ``(..., n, d_phi, d_v + 1)``, ``decay`` ``(..., n, 1 or d_phi, 1)`` or
+    None (no decay). ``chained``: a Python chain over the chunks, one ``unstack`` in and one
+    ``stack`` out (a block holds few chunks). Otherwise one ``cumulative_sum`` without decay, and
+    with decay a scan of logarithmic depth over the chunk axis (Hillis-Steele on the pairs
+    ``(decay, increment)``; every product of decays is <= 1).
+    """
+    if chained:
+        running = [state]
+        decays = [None] * increments.shape[-3] if decay is None else xp.unstack(decay, axis=-3)
+        for increment, factor in zip(xp.unstack(increments, axis=-3), decays):
+            previous = running[-1] if factor is None else factor * running[-1]
+            running.append(previous + increment)
+        new_state = running.pop()
+        return xp.stack(running, axis=-3), new_state
+    if decay is None:
+        prefix = xp.cumulative_sum(increments, axis=-3, include_initial=True)
+        return prefix[..., :-1, :, :] + state[..., None, :, :], state + prefix[..., -1, :, :]
+    # Prepend (1, S_0): the inclusive scan then yields every state, the final one last.
+    values = xp.concat(
+        [xp.broadcast_to(state[..., None, :, :], (*increments.shape[:-3], 1, *state.shape[-2:])),
+         increments], axis=-3,
+    )  # fmt: skip
+    factors = xp.concat([xp.ones_like(decay[..., :1, :, :]), decay], axis=-3)
+    count = values.shape[-3]
+    shift = 1
+    while shift < count:
+        values = values + factors * _shift_chunks(xp, values, shift, 0.0)
+        if 2 * shift < count:
+            factors = factors * _shift_chunks(xp, factors, shift, 1.0)
+        shift *= 2
+    return values[..., :-1, :, :], values[..., -1, :, :]
+
+
+def _shift_chunks(xp: Any, x: Any, shift: int, fill: float) -> Any:
+    """``x`` moved ``shift`` places along the chunk axis (-3), the first places ``fill``."""
+    head = xp.full((*x.shape[:-3], shift, *x.shape[-2:]), fill, dtype=x.dtype, device=device(x))
+    return xp.concat([head, x[..., :-shift, :, :]], axis=-3)

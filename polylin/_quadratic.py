@@ -1,4 +1,9 @@
-"""The quadratic masked-kernel form: the exact reference, O(T^2) time and memory."""
+"""The quadratic masked-kernel form: the exact reference, O(T^2) time and memory.
+
+With a log decay the causal scores are ``A_ts = sum_c phi(q_t)_c phi(k_s)_c exp(sum_{s<r<=t}
+g_rc)`` for ``s <= t``; each exponent is a sum of its own terms (never a difference of two
+cumulative sums, which loses float32 precision over long sequences), so it is <= 0.
+"""
 
 from __future__ import annotations
 
@@ -12,21 +17,59 @@ __all__ = ["quadratic"]
 
 
 def quadratic(
-    xp: Any, fq: Any, fk: Any, v: Any, S: Any, z: Any, *, causal: bool, eps: float
+    xp: Any,
+    fq: Any,
+    fk: Any,
+    v: Any,
+    S: Any,
+    z: Any,
+    *,
+    causal: bool,
+    eps: float,
+    log_decay: Any | None = None,
+    normalize: bool = True,
 ) -> tuple[Any, Any, Any]:
     """``O = (A V + phi(Q) S0) / (A 1 + phi(Q) z0 + eps)`` with ``A = [tril](phi(Q) phi(K)^T)``.
 
     ``S``, ``z`` is the state before the first token (zeros for a fresh sequence). Returns the
-    output and the state after the last key.
+    output and the state after the last key. ``log_decay`` (causal only) is ``(..., T or 1, 1
+    or d_phi)``; ``normalize=False`` returns the numerator alone.
     """
-    scores = xp.matmul(fq, xp.matrix_transpose(fk))
-    if causal:
-        # Selected, not multiplied: a masked score may be inf or NaN (0 * inf is NaN).
-        causal_rows = causal_mask(xp, fq.shape[-2], fk.shape[-2], None, device(fq))
-        scores = xp.where(causal_rows, scores, 0.0)
-    numerator = xp.matmul(scores, v) + xp.matmul(fq, S)
-    normalizer = xp.sum(scores, axis=-1, keepdims=True) + xp.matmul(fq, z[..., None])
-    out = numerator / (normalizer + eps)
-    S = S + xp.matmul(xp.matrix_transpose(fk), v)
-    z = z + xp.sum(fk, axis=-2)
+    T = fk.shape[-2]
+    if log_decay is None:
+        scores = xp.matmul(fq, xp.matrix_transpose(fk))
+        if causal:
+            scores = xp.where(causal_mask(xp, fq.shape[-2], T, device(fq)), scores, 0.0)
+        fq_state, fk_state, factor = fq, fk, None
+    else:
+        if log_decay.shape[-2] != T:
+            log_decay = xp.broadcast_to(log_decay, (*log_decay.shape[:-2], T, log_decay.shape[-1]))
+        later = causal_mask(xp, T, T, device(fq), strict=True)  # r > s
+        mask = causal_mask(xp, T, T, device(fq))
+        if log_decay.shape[-1] == 1:  # (..., T(t), T(s)) segment sums, then the scores
+            terms = xp.where(later, log_decay, 0.0)  # log_decay (..., T(r), 1) broadcast over s
+            decay = xp.exp(xp.cumulative_sum(terms, axis=-2))
+            scores = xp.matmul(fq, xp.matrix_transpose(fk)) * decay
+        else:  # (..., T(t), T(s), d_phi): one decay per channel, summed directly
+            terms = xp.where(later[:, :, None], log_decay[..., :, None, :], 0.0)
+            decay = xp.exp(xp.cumulative_sum(terms, axis=-3))
+            scores = xp.sum(fq[..., :, None, :] * decay * fk[..., None, :, :], axis=-1)
+        scores = xp.where(mask, scores, 0.0)
+        before = xp.cumulative_sum(log_decay, axis=-2)  # from the start to t, inclusive
+        flipped = xp.cumulative_sum(xp.flip(log_decay, axis=-2), axis=-2, include_initial=True)
+        after = xp.flip(flipped[..., :-1, :], axis=-2)  # from s (exclusive) to the end
+        fq_state = fq * xp.exp(before)
+        fk_state = fk * xp.exp(after)
+        factor = xp.exp(xp.sum(log_decay, axis=-2))  # (..., 1 or d_phi): the whole sequence
+    numerator = xp.matmul(scores, v) + xp.matmul(fq_state, S)
+    if normalize:
+        normalizer = xp.sum(scores, axis=-1, keepdims=True) + xp.matmul(fq_state, z[..., None])
+        out = numerator / (normalizer + eps)
+    else:
+        out = numerator
+    if factor is not None:
+        S = factor[..., :, None] * S
+        z = factor * z
+    S = S + xp.matmul(xp.matrix_transpose(fk_state), v)
+    z = z + xp.sum(fk_state, axis=-2)
     return out, S, z

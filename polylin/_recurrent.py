@@ -1,4 +1,10 @@
-"""The recurrent form: one rank-1 state update per token (the design note's loop)."""
+"""The recurrent form: one rank-1 state update per token (the design note's loop).
+
+With a log decay ``g_t`` the state decays before token t is added (token t is never decayed at
+its own step)::
+
+    S_t = diag(exp(g_t)) S_{t-1} + phi(k_t) v_t^T        z_t = exp(g_t) * z_{t-1} + phi(k_t)
+"""
 
 from __future__ import annotations
 
@@ -8,29 +14,65 @@ __all__ = ["causal_recurrent", "recurrent_step"]
 
 
 def recurrent_step(
-    xp: Any, fq: Any, fk: Any, v: Any, S: Any, z: Any, eps: float
+    xp: Any,
+    fq: Any,
+    fk: Any,
+    v: Any,
+    S: Any,
+    z: Any,
+    eps: float,
+    *,
+    log_decay: Any | None = None,
+    normalize: bool = True,
 ) -> tuple[Any, Any, Any]:
     """Advance the state by one token and return ``(output, S, z)``.
 
     ``fq``, ``fk`` are mapped features ``(..., d_phi)``, ``v`` is ``(..., d_v)``, ``S`` and ``z``
-    the state before the token. Cost and memory are independent of the position.
+    the state before the token, ``log_decay`` ``(..., 1 or d_phi)`` or None. Cost and memory
+    are independent of the position.
     """
+    if log_decay is not None:
+        factor = xp.exp(log_decay)
+        S = factor[..., :, None] * S
+        z = factor * z
     S = S + fk[..., :, None] * v[..., None, :]
     z = z + fk
     numerator = xp.matmul(fq[..., None, :], S)[..., 0, :]
+    if not normalize:
+        return numerator, S, z
     normalizer = xp.sum(fq * z, axis=-1, keepdims=True)
     return numerator / (normalizer + eps), S, z
 
 
 def causal_recurrent(
-    xp: Any, fq: Any, fk: Any, v: Any, S: Any, z: Any, *, eps: float
+    xp: Any,
+    fq: Any,
+    fk: Any,
+    v: Any,
+    S: Any,
+    z: Any,
+    *,
+    eps: float,
+    log_decay: Any | None = None,
+    normalize: bool = True,
 ) -> tuple[Any, Any, Any]:
-    """Causal linear attention by T sequential state updates, from the state ``(S, z)``."""
+    """Causal linear attention by T sequential state updates, from the state ``(S, z)``.
+
+    The tokens are taken apart by one ``unstack`` per input (not a slice per token, whose
+    backward would be quadratic in T) and the outputs joined by one ``stack``.
+    """
     T = fq.shape[-2]
-    outputs = []
-    for t in range(T):
-        o, S, z = recurrent_step(xp, fq[..., t, :], fk[..., t, :], v[..., t, :], S, z, eps)
-        outputs.append(o)
-    if not outputs:
+    if T == 0:
         return v[..., :0, :], S, z
+    tokens = [xp.unstack(x, axis=-2) for x in (fq, fk, v)]
+    if log_decay is None:
+        decays = [None] * T
+    elif log_decay.shape[-2] == 1:
+        decays = [log_decay[..., 0, :]] * T
+    else:
+        decays = xp.unstack(log_decay, axis=-2)
+    outputs = []
+    for q_t, k_t, v_t, g_t in zip(*tokens, decays):
+        o, S, z = recurrent_step(xp, q_t, k_t, v_t, S, z, eps, log_decay=g_t, normalize=normalize)
+        outputs.append(o)
     return xp.stack(outputs, axis=-2), S, z

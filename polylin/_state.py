@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from ._typing import Array
 
 __all__ = ["LinearAttentionState"]
 
@@ -34,5 +36,5 @@ class LinearAttentionState(NamedTuple):
     True
     """
 
-    S: Any
-    z: Any
+    S: Array
+    z: Array

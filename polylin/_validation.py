@@ -64,7 +64,7 @@ def namespace_of(**arrays: Any) -> Any:
     library than the first one.
     """
     xp = None
-    first = None
+    first = ""
     for name, x in arrays.items():
         if not array_api_compat.is_array_api_obj(x):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")

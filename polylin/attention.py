@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import pairwise
-from typing import Any
 
 from ._chunked import causal_chunked
+from ._decay import check_log_decay, check_normalize, pack_log_decay, standard_log_decay
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import apply_feature_map, finish, select
 from ._quadratic import quadratic
 from ._recurrent import causal_recurrent
 from ._state import LinearAttentionState
+from ._typing import Array
 from ._validation import (
     check_cu_seqlens,
     check_mask,
@@ -33,13 +34,13 @@ __all__ = [
 #: The algorithms of :func:`causal_linear_attention`; they compute the same function.
 METHODS = ("chunked", "recurrent", "quadratic")
 
-FeatureMap = Callable[[Any], Any]
+FeatureMap = Callable[[Array], Array]
 
 
 def causal_linear_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Array,
+    k: Array,
+    v: Array,
     /,
     feature_map: FeatureMap | None = None,
     *,
@@ -48,14 +49,18 @@ def causal_linear_attention(
     eps: float = DEFAULT_EPS,
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
-    attention_mask: Any | None = None,
+    attention_mask: Array | None = None,
     cu_seqlens: Sequence[int] | None = None,
     seq_axis: int = DEFAULT_SEQ_AXIS,
-) -> Any:
+    log_decay: Array | float | None = None,
+    normalize: bool = True,
+) -> Array | tuple[Array, LinearAttentionState]:
     r"""Causal linear attention: ``o_t = phi(q_t) S_t / (phi(q_t) @ z_t + eps)``.
 
     ``S_t = sum_{s<=t} phi(k_s) v_s^T`` and ``z_t = sum_{s<=t} phi(k_s)``. The three methods
-    compute the same function (to round-off) at different costs.
+    compute the same function (to round-off) at different costs. With ``log_decay`` the state
+    decays before each token is added, ``S_t = diag(exp(g_t)) S_{t-1} + phi(k_t) v_t^T`` (and
+    ``z`` alike): RetNet, gated linear attention, Mamba-2 (see :doc:`/decay`).
 
     Parameters
     ----------
@@ -99,6 +104,17 @@ def causal_linear_attention(
         The axis of T in ``q``, ``k`` and ``v`` (default -2: ``(..., T, d)``); ``seq_axis=1``
         takes ``(batch, T, heads, d)``. The output keeps the input layout; the state's leading
         dimensions are the inputs' without T and the feature axis.
+    log_decay : float or array, optional
+        Log of the decay factor ``g_t <= 0``: a float (one decay everywhere) or an array that
+        broadcasts against the mapped keys ``(..., T, d_phi)``, with a trailing axis of 1 (one
+        gate per token, e.g. ``(heads, 1, 1)`` for a fixed decay per head) or ``d_phi`` (one
+        per feature channel). With ``seq_axis`` other than -2 an array has the full rank of
+        ``q``, in the inputs' layout. Positive values (growth) are outside the contract.
+        Gradients flow to it.
+    normalize : bool
+        Divide by the normalizer ``phi(q_t) . z_t + eps``; ``False`` returns the numerator
+        ``phi(q_t) S_t`` (RetNet, GLA and Mamba-2 do not normalize; ``eps`` is then unused).
+        The state keeps ``z`` either way.
 
     Returns
     -------
@@ -143,9 +159,12 @@ def causal_linear_attention(
     True
     """
     layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
+    log_decay = standard_log_decay(layout, log_decay)
     inputs = check_qkv(q, k, v, causal=True)
-    eps, chunk_size = check_options(eps=eps, chunk_size=chunk_size, inputs=inputs)
+    eps, checked_chunk_size = check_options(eps=eps, chunk_size=chunk_size, inputs=inputs)
+    chunk_size = chunk_size if checked_chunk_size is None else checked_chunk_size  # an int
     check_method(method, METHODS)
+    check_normalize(normalize)
     xp = inputs.xp
     T = q.shape[-2]
     if cu_seqlens is not None:
@@ -154,8 +173,12 @@ def causal_linear_attention(
         offsets = check_cu_seqlens(cu_seqlens, T)
         max_len = max(b - a for a, b in pairwise(offsets))
         lengths = length_mask(xp, offsets, max_len, inputs.device)
+        decay = check_log_decay(inputs, log_decay, length=T, d_phi=None)
+        packed_q, packed_k, packed_v = (pack(xp, x, offsets, max_len) for x in (q, k, v))
         out, state = causal_linear_attention(
-            *(pack(xp, x, offsets, max_len) for x in (q, k, v)),
+            packed_q,
+            packed_k,
+            packed_v,
             feature_map,
             method=method,
             chunk_size=chunk_size,
@@ -164,6 +187,8 @@ def causal_linear_attention(
             return_state=True,
             # full rank: with head axes a 2-D mask would mean (batch, T)
             attention_mask=xp.reshape(lengths, (*[1] * len(inputs.batch_shape), *lengths.shape)),
+            log_decay=pack_log_decay(xp, decay, lambda x: pack(xp, x, offsets, max_len)),
+            normalize=normalize,
         )
         out = layout.restore(unpack(xp, out, offsets))
         return (out, state) if return_state else out
@@ -173,42 +198,52 @@ def causal_linear_attention(
     q, k, v = (select(xp, mask, x) for x in (q, k, v))
     v = inputs.to_work_dtype(v)
 
-    def features(start: int, stop: int) -> tuple[Any, Any]:
+    def features(q: Array, k: Array, mask: Array | None) -> tuple[Array, Array]:
         # A feature map acts on each token alone, so the chunked form maps block by block.
-        fq, fk = apply_feature_map(
-            inputs, feature_map, q[..., start:stop, :], k[..., start:stop, :]
-        )
+        fq, fk = apply_feature_map(inputs, feature_map, q, k)
         # phi(0) is not 0: masked keys are selected away again after the map.
-        return fq, (fk if mask is None else select(xp, mask[..., start:stop, :], fk))
+        return fq, select(xp, mask, fk)
 
     # The chunked form maps its own blocks: there a one-token probe gives the feature size.
-    fq, fk = features(0, min(T, 1)) if method == "chunked" else features(0, T)
+    if method == "chunked":
+        fq, fk = features(q[..., : min(T, 1), :], k[..., : min(T, 1), :], None)
+    else:
+        fq, fk = features(q, k, mask)
     S, z = check_state(
         inputs, initial_state, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
     )
+    decay = check_log_decay(inputs, log_decay, length=T, d_phi=fq.shape[-1], mask=mask)
     if T == 0:  # the new state must not be the caller's own arrays
         S, z = xp.asarray(S, copy=True), xp.asarray(z, copy=True)
     if method == "chunked":
-        out, S, z = causal_chunked(xp, features, v, S, z, chunk_size=chunk_size, eps=eps)
+        out, S, z = causal_chunked(
+            xp, features, q, k, v, S, z, mask=mask, chunk_size=chunk_size, eps=eps,
+            log_decay=decay, normalize=normalize,
+        )  # fmt: skip
     elif method == "recurrent":
-        out, S, z = causal_recurrent(xp, fq, fk, v, S, z, eps=eps)
+        out, S, z = causal_recurrent(
+            xp, fq, fk, v, S, z, eps=eps, log_decay=decay, normalize=normalize
+        )
     else:
-        out, S, z = quadratic(xp, fq, fk, v, S, z, causal=True, eps=eps)
+        out, S, z = quadratic(
+            xp, fq, fk, v, S, z, causal=True, eps=eps, log_decay=decay, normalize=normalize
+        )
     out = layout.restore(finish(inputs, out, mask))
     return (out, LinearAttentionState(S, z)) if return_state else out
 
 
 def linear_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Array,
+    k: Array,
+    v: Array,
     /,
     feature_map: FeatureMap | None = None,
     *,
     eps: float = DEFAULT_EPS,
-    attention_mask: Any | None = None,
+    attention_mask: Array | None = None,
     seq_axis: int = DEFAULT_SEQ_AXIS,
-) -> Any:
+    normalize: bool = True,
+) -> Array:
     """Non-causal linear attention: every query attends to every key.
 
     ``o_i = phi(q_i) S / (phi(q_i) . z + eps)`` with ``S = phi(K)^T V`` and ``z = phi(K)^T 1``,
@@ -233,6 +268,8 @@ def linear_attention(
         outputs at masked positions are also exactly zero.
     seq_axis : int
         The axis of T in ``q``, ``k`` and ``v`` (default -2); the output keeps the layout.
+    normalize : bool
+        Divide by ``phi(q_i) . z + eps``; ``False`` returns ``phi(q_i) S`` (``eps`` unused).
 
     Returns
     -------
@@ -262,6 +299,7 @@ def linear_attention(
     layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=False)
     eps, _ = check_options(eps=eps, inputs=inputs)
+    check_normalize(normalize)
     xp = inputs.xp
     mask = query_mask = None
     if attention_mask is not None:
@@ -272,26 +310,32 @@ def linear_attention(
     fk = select(xp, mask, fk)
     v = inputs.to_work_dtype(v)
     S = xp.matmul(xp.matrix_transpose(fk), v)
-    z = xp.sum(fk, axis=-2)
-    out = xp.matmul(fq, S) / (xp.matmul(fq, z[..., None]) + eps)
+    out = xp.matmul(fq, S)
+    if normalize:
+        z = xp.sum(fk, axis=-2)
+        out = out / (xp.matmul(fq, z[..., None]) + eps)
     return layout.restore(finish(inputs, out, query_mask))
 
 
 def masked_kernel_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Array,
+    k: Array,
+    v: Array,
     /,
     feature_map: FeatureMap | None = None,
     *,
     causal: bool = True,
     eps: float = DEFAULT_EPS,
     seq_axis: int = DEFAULT_SEQ_AXIS,
-) -> Any:
+    log_decay: Array | float | None = None,
+    normalize: bool = True,
+) -> Array:
     """The quadratic reference: ``A = tril(phi(Q) phi(K)^T)``, ``O = A V / (A 1 + eps)``.
 
     Exact and simple, O(T^2) time and memory: use it to check the linear forms and for short
-    sequences. ``causal=False`` drops the mask (then ``T_q`` may differ from ``T_k``).
+    sequences. ``causal=False`` drops the mask (then ``T_q`` may differ from ``T_k``). With
+    ``log_decay`` the scores are ``A_ts = sum_c phi(q_t)_c phi(k_s)_c exp(sum_{s<r<=t} g_rc)``
+    for ``s <= t`` (causal only; see :doc:`/decay`).
 
     Parameters
     ----------
@@ -307,6 +351,10 @@ def masked_kernel_attention(
         Added to the row sums ``A 1``; positive and finite in the work dtype.
     seq_axis : int
         The axis of T in ``q``, ``k`` and ``v`` (default -2); the output keeps the layout.
+    log_decay : float or array, optional
+        Log decay ``g_t <= 0``, as in :func:`causal_linear_attention`; needs ``causal=True``.
+    normalize : bool
+        Divide by ``A 1 + eps``; ``False`` returns ``A V``.
 
     Returns
     -------
@@ -318,7 +366,8 @@ def masked_kernel_attention(
     TypeError
         Arrays from different libraries, non-floating dtypes.
     ValueError
-        Mismatched shapes or devices, ``eps`` not positive and finite in the work dtype.
+        Mismatched shapes or devices, ``eps`` not positive and finite in the work dtype,
+        ``log_decay`` with ``causal=False``.
 
     Examples
     --------
@@ -332,10 +381,17 @@ def masked_kernel_attention(
            [2.]])
     """
     layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
+    log_decay = standard_log_decay(layout, log_decay)
     inputs = check_qkv(q, k, v, causal=causal)
     eps, _ = check_options(eps=eps, inputs=inputs)
+    check_normalize(normalize)
+    if log_decay is not None and not causal:
+        raise ValueError("log_decay needs causal=True (a decay runs forward in time)")
     fq, fk = apply_feature_map(inputs, feature_map, q, k)
     v = inputs.to_work_dtype(v)
     S, z = check_state(inputs, None, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="state")
-    out, _, _ = quadratic(inputs.xp, fq, fk, v, S, z, causal=causal, eps=eps)
+    decay = check_log_decay(inputs, log_decay, length=k.shape[-2], d_phi=fq.shape[-1])
+    out, _, _ = quadratic(
+        inputs.xp, fq, fk, v, S, z, causal=causal, eps=eps, log_decay=decay, normalize=normalize
+    )
     return layout.restore(finish(inputs, out, None))

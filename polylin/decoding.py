@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from ._decay import check_log_decay, check_normalize
 from ._policy import DEFAULT_EPS
 from ._prepare import apply_feature_map, finish, select
 from ._recurrent import recurrent_step
 from ._state import LinearAttentionState
+from ._typing import Array
 from ._validation import check_options, check_qkv, check_state, check_token_mask
 from .attention import FeatureMap
 
@@ -15,16 +15,18 @@ __all__ = ["step"]
 
 
 def step(
-    q_t: Any,
-    k_t: Any,
-    v_t: Any,
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
     /,
     state: LinearAttentionState | None = None,
     feature_map: FeatureMap | None = None,
     *,
     eps: float = DEFAULT_EPS,
-    attention_mask: Any | None = None,
-) -> tuple[Any, LinearAttentionState]:
+    attention_mask: Array | None = None,
+    log_decay: Array | float | None = None,
+    normalize: bool = True,
+) -> tuple[Array, LinearAttentionState]:
     """Attend one new token: update the state with ``(k_t, v_t)`` and read it with ``q_t``.
 
     Cost and memory are O(d_phi d_v) whatever the position: the state replaces a KV cache.
@@ -52,6 +54,12 @@ def step(
         ``(batch,)`` for the first leading axis. Rows where it is False keep their state
         exactly (the same values, new arrays) and output exactly 0, whatever ``q_t``, ``k_t``,
         ``v_t`` hold there: finished sequences in a batch, continuous batching.
+    log_decay : float or array, optional
+        Log decay ``g_t <= 0`` of this token: the state decays by ``exp(g_t)`` before the
+        token is added. A float or an array broadcasting against ``(..., d_phi)`` (trailing 1:
+        a scalar gate, ``d_phi``: per channel); see :doc:`/decay`.
+    normalize : bool
+        Divide by ``phi(q_t) . z_t + eps``; ``False`` returns ``phi(q_t) S_t``.
 
     Returns
     -------
@@ -88,6 +96,7 @@ def step(
     """
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
     eps, _ = check_options(eps=eps, inputs=inputs)
+    check_normalize(normalize)
     xp = inputs.xp
     mask = None if attention_mask is None else check_token_mask(inputs, attention_mask)
     q_t, k_t, v_t = (select(xp, mask, x) for x in (q_t, k_t, v_t))
@@ -103,7 +112,8 @@ def step(
         name="state",
         token_shape=tuple(q_t.shape),
     )
-    o_t, S, z = recurrent_step(xp, fq, fk, v_t, S0, z0, eps)
+    decay = check_log_decay(inputs, log_decay, length=None, d_phi=fq.shape[-1])
+    o_t, S, z = recurrent_step(xp, fq, fk, v_t, S0, z0, eps, log_decay=decay, normalize=normalize)
     if mask is not None:  # rows that do not take the token keep their state exactly
         S, z = xp.where(mask[..., None], S, S0), xp.where(mask, z, z0)
     return finish(inputs, o_t, mask), LinearAttentionState(S, z)

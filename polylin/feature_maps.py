@@ -31,6 +31,7 @@ from typing import Any
 import array_api_compat
 
 from ._policy import cacheable, compiled, eager_constants, materialized, stacked_qr
+from ._typing import Array
 
 __all__ = [
     "FAVOR_MAX_KEY_EXPONENT",
@@ -67,7 +68,7 @@ def _check_positive_int(name: str, value: Any) -> int:
     return value
 
 
-def elu_plus_one(x: Any, /) -> Any:
+def elu_plus_one(x: Array, /) -> Array:
     """The default feature map, ``elu(x) + 1``: smooth and strictly positive.
 
     Equals ``x + 1`` for ``x > 0`` and ``exp(x)`` otherwise. Output size equals input size;
@@ -96,7 +97,7 @@ def elu_plus_one(x: Any, /) -> Any:
     return xp.exp(xp.minimum(x, 0.0)) + xp.maximum(x, 0.0)
 
 
-def relu(x: Any, /) -> Any:
+def relu(x: Array, /) -> Array:
     """``max(x, 0) + RELU_EPS``: the positive part, lifted by a small epsilon.
 
     The epsilon (:data:`RELU_EPS`, ``1e-6``) keeps every feature strictly positive, so a query
@@ -126,7 +127,7 @@ def relu(x: Any, /) -> Any:
     return xp.maximum(x, 0.0) + RELU_EPS
 
 
-def identity(x: Any, /) -> Any:
+def identity(x: Array, /) -> Array:
     """No map: the inputs already are features.
 
     Use it when queries and keys were mapped beforehand (by a learned map, say). Keeping them
@@ -159,7 +160,7 @@ def identity(x: Any, /) -> Any:
     return x
 
 
-def taylor_exp(x: Any, /) -> Any:
+def taylor_exp(x: Array, /) -> Array:
     """Second-order Taylor features of ``exp``: ``[1, x, vec(x x^T) / sqrt(2)]``.
 
     The kernel is exactly ``phi(x) . phi(y) = 1 + x.y + (x.y)**2 / 2``, the Taylor expansion of
@@ -240,7 +241,7 @@ class DPFPFeatureMap:
         """The output size for inputs with ``dim`` features: ``2 * dim * nu``."""
         return 2 * dim * self.nu
 
-    def __call__(self, x: Any, /) -> Any:
+    def __call__(self, x: Array, /) -> Array:
         """Map ``x`` of shape ``(..., d)`` to non-negative features ``(..., 2 * d * nu)``."""
         xp = array_api_compat.array_namespace(x)
         r = xp.concat([xp.maximum(x, 0.0), xp.maximum(-x, 0.0)], axis=-1)
@@ -501,7 +502,7 @@ class FavorPlusFeatureMap:
             f"orthogonal={self.orthogonal})"
         )
 
-    def projection(self, x: Any, /) -> Any:
+    def projection(self, x: Array, /) -> Array:
         """The ``(dim, num_features)`` projection in ``x``'s library, device and dtype.
 
         Built on first use with array operations of that library (in float64 where it has it,
@@ -523,7 +524,7 @@ class FavorPlusFeatureMap:
         half_norm = xp.sum(scaled * scaled, axis=-1, keepdims=True) * 0.5
         return xp.matmul(scaled, self.projection(x)) - half_norm
 
-    def __call__(self, x: Any, /) -> Any:
+    def __call__(self, x: Array, /) -> Array:
         """Key features ``exp(w_i . x' - |x'|**2 / 2 - key_offset) / sqrt(m)``, shape ``(..., m)``.
 
         No data-dependent shift: a shift that depended on the key would not cancel, and one that
@@ -537,7 +538,7 @@ class FavorPlusFeatureMap:
             exponent = exponent - self.key_offset
         return xp.exp(exponent) * (1.0 / math.sqrt(self.num_features))
 
-    def map_query(self, x: Any, /) -> Any:
+    def map_query(self, x: Array, /) -> Array:
         """Query features, shifted per row by their largest exponent (the shift cancels).
 
         ``exp(w_i . x' - |x'|**2 / 2 - max_j(...) + key_offset) / sqrt(m)``: a factor common to

@@ -24,6 +24,8 @@ import os
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from ._typing import Array, Namespace
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -93,13 +95,13 @@ class Backend(enum.Enum):
         by its caller: importing it here changes no setting."""
         return importlib.import_module(self.library)
 
-    def namespace(self) -> Any:
+    def namespace(self) -> Namespace:
         """The array-API namespace polylin resolves for this backend's arrays."""
         import array_api_compat
 
         return array_api_compat.array_namespace(self._probe())
 
-    def _probe(self) -> Any:
+    def _probe(self) -> Array:
         """A small array of this backend on its device (made without NumPy)."""
         mod = self.module()
         if self is Backend.DASK:
@@ -141,7 +143,7 @@ class Backend(enum.Enum):
             return np.dtype(name)
         return getattr(self.module(), name)
 
-    def from_numpy(self, x: np.ndarray, dtype: str | None = None, chunks: Any = None) -> Any:
+    def from_numpy(self, x: np.ndarray, dtype: str | None = None, chunks: Any = None) -> Array:
         """A copy of ``x`` as an array of this backend on its device, optionally cast to ``dtype``.
 
         ``chunks`` is passed to Dask (default: one chunk) and ignored elsewhere. A ``dtype``
@@ -162,10 +164,10 @@ class Backend(enum.Enum):
             out = mod.asarray(x.copy())
         return out if dtype is None else self._cast(out, dtype)
 
-    def _cast(self, x: Any, dtype: str) -> Any:
+    def _cast(self, x: Array, dtype: str) -> Array:
         return self.namespace().astype(x, self.dtype(dtype))
 
-    def to_numpy(self, x: Any) -> np.ndarray:
+    def to_numpy(self, x: Array) -> np.ndarray:
         """A NumPy copy of ``x`` (computing it if lazy); 16-bit floats come back as float32."""
         import numpy as np
 
@@ -184,7 +186,7 @@ class Backend(enum.Enum):
         # JAX's bfloat16 (ml_dtypes) is not a NumPy float kind: widen it for NumPy users.
         return out.astype(np.float32) if "bfloat16" in str(out.dtype) else out
 
-    def synchronize(self, x: Any = None) -> Any:
+    def synchronize(self, x: Array | None = None) -> Array | None:
         """Wait for queued device work (and compute a lazy ``x``); returns ``x``."""
         if self is Backend.TORCH_CUDA:
             self.module().cuda.synchronize()
@@ -242,6 +244,23 @@ def selected_backends(
     env_var: str = "POLYLIN_BACKENDS", *, names: str | None = None
 ) -> list[Backend]:
     """The backends named in ``$POLYLIN_BACKENDS`` (or in ``names``; comma separated), or all.
+
+    Parameters
+    ----------
+    env_var : str
+        The environment variable to read.
+    names : str, optional
+        Comma-separated backend names to use instead of the environment variable.
+
+    Returns
+    -------
+    list of Backend
+        The named backends in the order given, or every backend when none is named.
+
+    Raises
+    ------
+    ValueError
+        When a name is not a backend's.
 
     Examples
     --------

@@ -1,7 +1,8 @@
 """Test configuration: library settings, and one ``backend`` fixture over every driver.
 
-Settings are made here, explicitly, never by the drivers: JAX runs with ``jax_enable_x64`` on,
-array-api-strict with :data:`polylin.testing.STRICT_FLAGS`.
+Settings are made here, explicitly, never by the drivers: JAX runs with ``jax_enable_x64`` on
+(and XLA's optimizations off: the arrays are tiny), array-api-strict with
+:data:`polylin.testing.STRICT_FLAGS`.
 
 ``backend`` is generated for every selected driver (``POLYLIN_BACKENDS=numpy,torch`` narrows
 the set; unusable ones skip with the reason), plus ``jax:x32`` (JAX with x64 off, as users run
@@ -11,6 +12,8 @@ under ``jax:x32``) is never collected. Markers, in the style of array-api-extra:
 
 - ``@pytest.mark.skip_backend(Backend.DASK, ..., reason="...")``: not generated for those;
 - ``@pytest.mark.only_backend(Backend.TORCH, ...)``: generated for those alone;
+- ``@pytest.mark.not_generated(reason, **params)``: the combinations whose parameters all take
+  the given values (a value or a list of values; backends by id) are not generated;
 - ``@pytest.mark.eager``: the entry points run as the test calls them (no automatic jit on
   JAX, no compute guard on Dask).
 
@@ -18,8 +21,8 @@ On JAX and Dask, the public functions of polylin that a test module imports by n
 users run them: on JAX under ``jax.jit`` (arrays traced, every other argument static; compiled
 programs are reused across tests), except ``method="recurrent"``, a Python loop over T that jit
 would unroll into a program the size of the sequence (``tests/test_jax.py`` covers it under jit
-at short T); on Dask, any computation of the graph inside the call raises
-(``array_api_extra.testing.lazy_xp_function``).
+at short T); on Dask, a call that computes the graph more than once raises
+(``array_api_extra.testing.lazy_xp_function``; once: FAVOR+ persists its projection).
 """
 
 from __future__ import annotations
@@ -56,8 +59,11 @@ BACKENDS, WITH_X32 = _selection()
 
 #: polylin's public functions: run under jit on JAX, checked lazy on Dask.
 ENTRY_POINTS = [f for f in map(polylin.__dict__.get, polylin.__all__) if inspect.isfunction(f)]
+# Dask: at most one computation inside a call: FAVOR+ persists its projection (a cached constant,
+# polylin._policy.materialized) when it is first built. tests/test_dask.py checks that the
+# default path computes nothing at all. JAX: see _under_jit.
 for _entry_point in ENTRY_POINTS:
-    lazy_xp_function(_entry_point, jax_jit=False)  # Dask: no compute() inside; JAX: below
+    lazy_xp_function(_entry_point, jax_jit=False, allow_dask_compute=1)
 
 _JIT_CACHE: dict[Any, Callable[..., Any]] = {}
 
@@ -114,6 +120,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "only_backend(*backends, reason): generate the backend fixture for these only"
     )
     config.addinivalue_line(
+        "markers", "not_generated(reason, **params): drop the combinations with these values"
+    )
+    config.addinivalue_line(
         "markers", "eager: call the entry points as written (no jax.jit, no Dask compute guard)"
     )
     if WITH_X32 or Backend.JAX in BACKENDS or Backend.JAX_CUDA in BACKENDS:
@@ -121,6 +130,9 @@ def pytest_configure(config: pytest.Config) -> None:
             import jax
 
             jax.config.update("jax_enable_x64", True)
+            # The tests' arrays are tiny: compiling dominates, and XLA's optimizations would
+            # cost more than they save (about 15% of the JAX tests' time).
+            jax.config.update("jax_disable_most_optimizations", True)
     if Backend.ARRAY_API_STRICT in BACKENDS:
         with contextlib.suppress(ImportError):
             import array_api_strict
@@ -135,8 +147,19 @@ def _marked(metafunc: pytest.Metafunc, name: str) -> set[Backend] | None:
     return {b for mark in marks for b in mark.args}
 
 
+def _parametrizes_backend_itself(metafunc: pytest.Metafunc) -> bool:
+    """A test whose own ``parametrize`` names ``backend`` (a plain value, not the fixture)."""
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if "backend" in names:
+            return True
+    return False
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend" not in metafunc.fixturenames:
+    if "backend" not in metafunc.fixturenames or _parametrizes_backend_itself(metafunc):
         return
     only, skip = _marked(metafunc, "only_backend"), _marked(metafunc, "skip_backend") or set()
     ids = [b.value for b in BACKENDS if (only is None or b in only) and b not in skip]
@@ -152,20 +175,25 @@ def _dtypes(backend_id: str) -> list[str]:
     return Backend(backend_id).float_dtypes()
 
 
+def _generated(item: pytest.Item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    backend_id, dtype = params.get("backend"), params.get("dtype")
+    if isinstance(backend_id, str) and isinstance(dtype, str):
+        if dtype not in _dtypes(backend_id):
+            return False  # a dtype the backend lacks
+    for mark in item.iter_markers("not_generated"):
+        wanted = {k: v if isinstance(v, (list, tuple)) else [v] for k, v in mark.kwargs.items()}
+        wanted.pop("reason", None)
+        if all(k in params and params[k] in v for k, v in wanted.items()):
+            return False
+    return True
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Drop the (backend, dtype) pairs that do not exist: they are not tests."""
+    """Drop the combinations that do not exist (or are marked not to be generated)."""
     keep, drop = [], []
     for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        backend_id, dtype = params.get("backend"), params.get("dtype")
-        if (
-            isinstance(backend_id, str)
-            and isinstance(dtype, str)
-            and dtype not in _dtypes(backend_id)
-        ):
-            drop.append(item)
-        else:
-            keep.append(item)
+        (keep if _generated(item) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

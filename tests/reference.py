@@ -54,3 +54,42 @@ def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
 
         return x.astype(ml_dtypes.bfloat16).astype(np.float64)
     return x.astype(dtype).astype(np.float64)
+
+
+def decayed_loop(
+    fq, fk, v, log_decay=None, *, normalize=True, eps=1e-6, mask=None, S0=None, z0=None
+):
+    """Causal linear attention with decay, one token at a time, in float64, written plainly.
+
+    ``fq``, ``fk``: mapped features ``(..., T, d_phi)``; ``v``: ``(..., T, d_v)``;
+    ``log_decay``: anything that broadcasts against ``(..., T, d_phi)``; ``mask``: boolean
+    ``(..., T)``. For each token t: if masked, the state is unchanged and the output is 0;
+    otherwise ``S = exp(g_t)[:, None] * S + k_t v_t^T``, ``z = exp(g_t) * z + k_t`` and
+    ``o_t = q_t S / (q_t . z + eps)`` (or ``q_t S``). Returns ``(out, S, z)``.
+    """
+    fq, fk, v = (np.asarray(x, dtype=np.float64) for x in (fq, fk, v))
+    lead = np.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2])
+    T, d_phi, d_v = fq.shape[-2], fq.shape[-1], v.shape[-1]
+    fq, fk = (np.broadcast_to(x, (*lead, T, d_phi)) for x in (fq, fk))
+    v = np.broadcast_to(v, (*lead, T, d_v))
+    g = np.zeros((*lead, T, d_phi))
+    if log_decay is not None:
+        g = np.broadcast_to(np.asarray(log_decay, dtype=np.float64), (*lead, T, d_phi))
+    keep = np.ones((*lead, T), dtype=bool)
+    if mask is not None:
+        keep = np.broadcast_to(np.asarray(mask, dtype=bool), (*lead, T))
+    S = np.zeros((*lead, d_phi, d_v)) if S0 is None else np.array(S0, dtype=np.float64)
+    z = np.zeros((*lead, d_phi)) if z0 is None else np.array(z0, dtype=np.float64)
+    out = np.zeros((*lead, T, d_v))
+    for index in np.ndindex(*lead):
+        s, n = S[index].copy(), z[index].copy()
+        for t in range(T):
+            if not keep[index][t]:
+                continue
+            factor = np.exp(g[index][t])
+            s = factor[:, None] * s + np.outer(fk[index][t], v[index][t])
+            n = factor * n + fk[index][t]
+            numerator = fq[index][t] @ s
+            out[index][t] = numerator / (fq[index][t] @ n + eps) if normalize else numerator
+        S[index], z[index] = s, n
+    return out, S, z

@@ -277,17 +277,20 @@ def test_scaleout_quick_on_running_cluster(cluster, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_scaleout_quick_local_clusters(tmp_path):
-    """``run.py dask --quick`` on local clusters of 1 and 2 workers: same checksum on both."""
+def test_scaleout_quick_local_cluster(tmp_path):
+    """``run.py dask --quick`` on a local cluster it starts (one worker: the two-worker path is
+    the running cluster's above); its checksum is that of the same graph computed here."""
+    from benchmarks.dask_scaleout import QUICK, build_graph
     from benchmarks.run import main
 
-    assert main(["dask", "--quick", "--workers", "1", "2", "--out", str(tmp_path)]) == 0
+    assert main(["dask", "--quick", "--workers", "1", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "dask-scaleout-quick.json").read_text())
-    one, two = results["runs"]
-    assert (one["workers"], two["workers"]) == (1, 2)
-    assert two["checksum"] == pytest.approx(one["checksum"], rel=1e-6)
+    (one,) = results["runs"]
+    assert one["workers"] == 1
+    sums, _ = build_graph(**QUICK, chunk_size=64, dtype="float32", seed=0)
+    expected = float(sums.compute(scheduler="threads").sum())
+    assert one["checksum"] == pytest.approx(expected, rel=1e-6)
     assert results["input_bytes"] == 3 * 2 * 4 * 512 * 16 * 4
-    for r in results["runs"]:
-        assert r["spilled_bytes"] == 0 and r["workers_alive_at_end"] == r["workers"]
-        assert r["cores_busy"] > 0 and r["eager_numpy_tokens_per_s"] > 0
-    assert [row["workers"] for row in results["summary"]] == [1, 2]
+    assert one["spilled_bytes"] == 0 and one["workers_alive_at_end"] == 1
+    assert one["cores_busy"] > 0 and one["eager_numpy_tokens_per_s"] > 0
+    assert [row["workers"] for row in results["summary"]] == [1]

@@ -110,3 +110,14 @@ def test_selected_backends_names_and_errors():
     with pytest.raises(ValueError, match="unknown backend"):
         testing.selected_backends(names="numpy,tensorflow")
     assert testing.selected_backends(names="") == list(Backend)
+
+
+@pytest.mark.only_backend(Backend.NUMPY)
+def test_demo_prints_one_row_per_dtype_and_method(backend, capsys):
+    assert cli.main(["demo", "--seq-len", "9", "--repeats", "1", "--backends", "numpy"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    rows = [r for r in rows if r and r[0] == "numpy"]
+    assert [(r[2], r[3]) for r in rows] == [
+        (d, m) for d in ("float64", "float32") for m in ("chunked", "recurrent", "quadratic")
+    ]
+    assert all(float(r[4]) < {"float64": 1e-12, "float32": 1e-5}[r[2]] for r in rows)
