@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from polylin import causal_linear_attention
+from polylin import causal_linear_attention, delta_rule_attention
 from polylin.testing import Backend
 
 from . import baselines
@@ -292,3 +292,62 @@ for _width in ("token", "channel"):
         extra_inputs=_gates(_width),
         description=f"polylin's per-token form with a log decay per {_width}, normalize=False",
     )(_gated("recurrent"))
+
+
+# --------------------------------------------------------------------------------------------
+# the delta rule (a different function: timed, not compared with causal_linear_attention)
+
+
+def _delta_beta(setup: Setup, qkv: list[Any]) -> list[Any]:
+    """``beta_t = 0.5 / |k_t|^2``: each step a contraction whatever the keys' scale."""
+    import array_api_compat
+
+    k = qkv[1]
+    xp = array_api_compat.array_namespace(k)
+    return [0.5 / xp.sum(k * k, axis=-1, keepdims=True)]
+
+
+def _delta_beta_and_decay(setup: Setup, qkv: list[Any]) -> list[Any]:
+    """``beta`` as above and a per-token log decay of -0.01 (Gated DeltaNet)."""
+    (beta,) = _delta_beta(setup, qkv)
+    import array_api_compat
+
+    xp = array_api_compat.array_namespace(beta)
+    return [
+        beta,
+        xp.full(beta.shape, -0.01, dtype=beta.dtype, device=array_api_compat.device(beta)),
+    ]
+
+
+@register(
+    "delta",
+    compare=False,
+    extra_inputs=_delta_beta,
+    description="the delta rule, chunked (delta_rule_attention)",
+)
+def _delta(setup: Setup) -> Callable[..., Any]:
+    return functools.partial(delta_rule_attention, chunk_size=setup.chunk_size)
+
+
+@register(
+    "delta_gated",
+    compare=False,
+    extra_inputs=_delta_beta_and_decay,
+    description="the gated delta rule, chunked, per-token decay",
+)
+def _delta_gated(setup: Setup) -> Callable[..., Any]:
+    def forward(q: Any, k: Any, v: Any, beta: Any, log_decay: Any) -> Any:
+        return delta_rule_attention(q, k, v, beta, log_decay=log_decay, chunk_size=setup.chunk_size)
+
+    return forward
+
+
+@register(
+    "delta_recurrent",
+    loop=True,
+    compare=False,
+    extra_inputs=_delta_beta,
+    description="the delta rule, one state update per token",
+)
+def _delta_recurrent(setup: Setup) -> Callable[..., Any]:
+    return functools.partial(delta_rule_attention, method="recurrent")

@@ -14,14 +14,18 @@ from .attention import (
     masked_kernel_attention,
 )
 from .decoding import step
+from .delta_rule import DELTA_METHODS, delta_rule_attention, delta_rule_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DELTA_METHODS",
     "METHODS",
     "LinearAttentionState",
     "__version__",
     "causal_linear_attention",
+    "delta_rule_attention",
+    "delta_rule_step",
     "feature_maps",
     "linear_attention",
     "masked_kernel_attention",

@@ -8,6 +8,7 @@ Everything after it receives ``xp`` (an array-API namespace) and arrays known to
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from itertools import pairwise
@@ -22,8 +23,10 @@ if TYPE_CHECKING:
 __all__ = [
     "AttentionInputs",
     "Options",
+    "check_coefficient",
     "check_cu_seqlens",
     "check_mask",
+    "check_matrix_state",
     "check_options",
     "check_qkv",
     "check_state",
@@ -390,6 +393,77 @@ def check_state(
             if got != expected:
                 raise ValueError(f"{name}.{part} must have shape {expected}, got {got}")
     return S, z
+
+
+def check_matrix_state(inputs: AttentionInputs, state: Any, shape: tuple, *, name: str) -> Any:
+    """Return a state that is one array ``S`` (the delta rule's) in the work dtype.
+
+    ``None`` gives zeros of ``shape``; anything else must be an array of the library and device
+    of ``q``, in the work dtype (float32 for 16-bit inputs) and of exactly ``shape``.
+    """
+    xp = inputs.xp
+    if state is None:
+        return xp.zeros(shape, dtype=inputs.work_dtype, device=inputs.device)
+    if isinstance(state, tuple):
+        raise TypeError(
+            f"{name} must be one array S of shape {shape}, got a {type(state).__name__} "
+            "(a tuple such as LinearAttentionState belongs to causal_linear_attention)"
+        )
+    if namespace_of(**{name: state}) is not xp:
+        raise TypeError(f"{name} must be an array of the same library as q")
+    if _other_device(inputs.device, state):
+        raise ValueError(
+            f"{name} is on device {device_of(state)} but q is on device {inputs.device}"
+        )
+    _check_floating(xp, name, state)
+    if state.dtype != inputs.work_dtype:
+        # A silent cast would lose precision one way or change a higher-precision run the other.
+        raise TypeError(
+            f"{name} has dtype {state.dtype} but inputs of dtype {inputs.dtype} are computed in "
+            f"{inputs.work_dtype}; pass a state of that dtype (the one polylin returns)"
+        )
+    if tuple(state.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(state.shape)}")
+    return state
+
+
+def check_coefficient(
+    inputs: AttentionInputs,
+    x: Any,
+    shape: tuple,
+    *,
+    name: str,
+    bounds: tuple[float, float],
+) -> Any:
+    """A per-token scalar (a learning rate, a log decay) as an array of ``shape`` (work dtype).
+
+    ``x`` is a Python real number, which must lie in ``bounds`` (inclusive), or an array of the
+    library, device and dtype of ``q`` that broadcasts to ``shape`` (whose last axis is 1).
+    Array values are not checked: that would read data (lazy and accelerator backends).
+    """
+    xp = inputs.xp
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        low, high = bounds
+        value = float(x)
+        if not (math.isfinite(value) and low <= value <= high):  # also refuses nan and inf
+            raise ValueError(f"{name} must be a finite number in [{low}, {high}], got {x}")
+        return xp.full(shape, value, dtype=inputs.work_dtype, device=inputs.device)
+    if not is_array(x):
+        raise TypeError(f"{name} must be a float or an array, got {type(x).__name__}")
+    if namespace_of(**{name: x}) is not xp:
+        raise TypeError(f"{name} must be an array of the same library as q")
+    if _other_device(inputs.device, x):
+        raise ValueError(f"{name} is on device {device_of(x)} but q is on device {inputs.device}")
+    if x.dtype != inputs.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {inputs.dtype}")
+    got = tuple(x.shape)
+    if len(got) > len(shape) or not all(
+        m in (1, f) for m, f in zip(reversed(got), reversed(shape))
+    ):
+        raise ValueError(
+            f"{name} must broadcast to {shape} (one value per token: last axis 1), got {got}"
+        )
+    return xp.broadcast_to(inputs.to_work_dtype(x), shape)
 
 
 def check_cu_seqlens(cu_seqlens: Sequence[int], total: int) -> list[int]:

@@ -1,0 +1,300 @@
+"""The delta rule (DeltaNet) and the gated delta rule (Gated DeltaNet): entry points.
+
+Plain linear attention only adds to its state; the delta rule first reads what the state
+recalls for the new key and writes only the correction, so a key written again replaces its
+old value instead of piling up. See ``docs/delta_rule.md`` for the math and the chunked form.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any
+
+from ._delta import delta_chunked, delta_recurrent, delta_step
+from ._layout import DEFAULT_SEQ_AXIS, SequenceLayout, standard_layout
+from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
+from ._prepare import finish
+from ._typing import Array
+from ._validation import (
+    AttentionInputs,
+    check_coefficient,
+    check_cu_seqlens,
+    check_mask,
+    check_matrix_state,
+    check_method,
+    check_options,
+    check_qkv,
+)
+from ._varlen import length_mask, pack, unpack
+
+__all__ = ["DELTA_METHODS", "delta_rule_attention", "delta_rule_step"]
+
+#: The algorithms of :func:`delta_rule_attention`; they compute the same function.
+DELTA_METHODS = ("chunked", "recurrent")
+
+#: Python-float ``beta`` must lie here: for a unit key each step then shrinks the state
+#: (eigenvalue ``1 - beta`` along the key), the condition for a stable recurrence.
+_BETA_BOUNDS = (0.0, 2.0)
+_LOG_DECAY_BOUNDS = (-math.inf, 0.0)
+
+
+def _in_standard_layout(layout: SequenceLayout, name: str, x: Any) -> Any:
+    """A per-token array given in the inputs' layout, with its time axis moved to -2.
+
+    With a non-default ``seq_axis`` the array must have the rank of ``q`` (size-1 axes
+    broadcast): a lower rank would not say which axis is T.
+    """
+    if layout.is_standard or x is None or isinstance(x, (int, float)):
+        return x
+    return layout.to_standard(**{name: x})[0]
+
+
+def _log_decay(inputs: AttentionInputs, log_decay: Any, shape: tuple) -> Any | None:
+    if log_decay is None:
+        return None
+    g = check_coefficient(inputs, log_decay, shape, name="log_decay", bounds=_LOG_DECAY_BOUNDS)
+    # A decay never amplifies: this keeps every exponential the algorithms form <= 1. A
+    # selection rather than ``minimum``, whose gradient is halved where ``g == 0`` on PyTorch.
+    return inputs.xp.where(g > 0.0, 0.0, g)
+
+
+def _run(
+    xp: Any,
+    arrays: list[Any],
+    S: Any,
+    keep: Any | None,
+    *,
+    method: str,
+    chunk_size: int,
+) -> tuple[Any, Any]:
+    """Mask by selection, run one algorithm, zero the masked outputs."""
+    q, k, v, beta, *rest = arrays
+    g = rest[0] if rest else None
+    if keep is not None:
+        # Selection, not multiplication: padding may hold NaN. A masked token has beta = 0
+        # (writes nothing) and log decay 0 (does not decay the state).
+        q, k, v, beta = (xp.where(keep, x, 0.0) for x in (q, k, v, beta))
+        g = None if g is None else xp.where(keep, g, 0.0)
+    if method == "chunked":
+        out, S = delta_chunked(xp, q, k, v, beta, g, S, chunk_size=chunk_size)
+    else:
+        out, S = delta_recurrent(xp, q, k, v, beta, g, S)
+    if keep is not None:
+        out = xp.where(keep, out, 0.0)
+    return out, S
+
+
+def delta_rule_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    beta: Array,
+    /,
+    *,
+    log_decay: Array | None = None,
+    method: str = "chunked",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    initial_state: Array | None = None,
+    return_state: bool = False,
+    attention_mask: Array | None = None,
+    cu_seqlens: Sequence[int] | None = None,
+    seq_axis: int = DEFAULT_SEQ_AXIS,
+) -> Array:
+    r"""The (gated) delta rule: ``S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T``.
+
+    The output is ``o_t = S_t^T q_t`` and ``a_t = exp(log_decay_t)`` (1 without decay:
+    DeltaNet; with decay: Gated DeltaNet). Each token reads what the state recalls for its key
+    and writes only the correction, scaled by the learning rate ``beta_t``. There is no feature
+    map and no normalizer: ``q`` and ``k`` are used as given, usually L2-normalized (see the
+    docs page "The delta rule"). Both methods compute the same function (to round-off).
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, shape ``(..., T, d_k)``, any number of leading batch/head dimensions.
+        Keep ``beta_t * |k_t|^2 <= 2`` (e.g. unit keys), or the recurrence itself is unstable.
+    v : array
+        Values, shape ``(..., T, d_v)``, the same leading dimensions and dtype.
+    beta : float or array
+        The learning rate per token: a Python float in ``[0, 2]`` (usually in ``(0, 1]``) or an
+        array of the dtype of ``q`` broadcastable to ``(..., T, 1)``.
+    log_decay : float or array, optional
+        ``log a_t <= 0``: ``None`` (no decay), a Python float, or an array of the dtype of ``q``
+        broadcastable to ``(..., T, 1)`` (one decay per token, e.g. ``-softplus(x)``). Values
+        above 0 are taken as 0 (a decay never amplifies the state).
+    method : {"chunked", "recurrent"}
+        ``"chunked"``: the parallel chunkwise (WY) form, O(T C d + T d_k d_v) in batched
+        matmuls. ``"recurrent"``: one state update per token (the reference).
+    chunk_size : int
+        Chunk length C of the chunked form (T need not be a multiple of it).
+    initial_state : array, optional
+        The state ``S`` to continue from, shape ``(..., d_k, d_v)``; one returned by either
+        method. With ``cu_seqlens`` there is one per sequence: ``(..., N, d_k, d_v)``.
+    return_state : bool
+        Also return the state after the last token.
+    attention_mask : array of bool, optional
+        True for real tokens: a 2-D ``(batch, T)`` mask (the first leading axis and the time
+        axis), or the shape of ``q`` without its feature axis (size-1 axes broadcast), as for
+        :func:`~polylin.causal_linear_attention`. A masked token neither writes to nor decays
+        the state, and its output is 0; its inputs are never read (they may be NaN).
+    cu_seqlens : sequence of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed independent sequences along the T axis;
+        each starts from its own state.
+    seq_axis : int
+        The axis of T in ``q``, ``k`` and ``v`` (default -2: ``(..., T, d)``); ``seq_axis=1``
+        takes ``(batch, T, heads, d)``, and then ``beta`` and ``log_decay`` arrays are
+        ``(batch, T, heads, 1)`` (the rank of ``q``). The output keeps the input layout; the
+        state's leading dimensions are the inputs' without T and the feature axis.
+
+    Returns
+    -------
+    array or (array, array)
+        The output, shape ``(..., T, d_v)``, same library, device and dtype as ``q``; with
+        ``return_state`` also the final state ``S`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    TypeError
+        Arrays from different libraries, non-floating dtypes, ``beta``/``log_decay`` of another
+        dtype than ``q``, a state that is not one array.
+    ValueError
+        Mismatched shapes or devices, an unknown method, ``chunk_size < 1``, a float ``beta``
+        outside ``[0, 2]`` or ``log_decay > 0``.
+
+    Examples
+    --------
+    A key written twice: the delta rule recalls the last value, not the sum of both.
+
+    >>> import numpy as np
+    >>> from polylin import delta_rule_attention
+    >>> k = np.array([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])  # the same unit key three times
+    >>> v = np.array([[5.0], [7.0], [7.0]])
+    >>> q = k  # read with that key
+    >>> delta_rule_attention(q, k, v, 1.0)
+    array([[5.],
+           [7.],
+           [7.]])
+
+    The chunked form equals the per-token recurrence, with a decay too:
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 40, 8))
+    >>> k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    >>> beta = rng.uniform(0.1, 1.0, (2, 40, 1))
+    >>> out, state = delta_rule_attention(q, k, v, beta, log_decay=-0.1, return_state=True)
+    >>> ref = delta_rule_attention(q, k, v, beta, log_decay=-0.1, method="recurrent")
+    >>> bool(np.allclose(out, ref)), state.shape
+    (True, (2, 8, 8))
+    """
+    layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
+    inputs = check_qkv(q, k, v, causal=True)
+    check_options(eps=DEFAULT_EPS, chunk_size=chunk_size)  # an Integral >= 1, not a tracer
+    chunk_size = int(chunk_size)
+    check_method(method, DELTA_METHODS)
+    beta = _in_standard_layout(layout, "beta", beta)
+    log_decay = _in_standard_layout(layout, "log_decay", log_decay)
+    xp = inputs.xp
+    batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]
+    per_token = (*batch, T, 1)
+    arrays = [inputs.to_work_dtype(x) for x in (q, k, v)]
+    arrays.append(check_coefficient(inputs, beta, per_token, name="beta", bounds=_BETA_BOUNDS))
+    g = _log_decay(inputs, log_decay, per_token)
+    if g is not None:
+        arrays.append(g)
+    if cu_seqlens is not None:
+        if attention_mask is not None:
+            raise ValueError("pass attention_mask or cu_seqlens, not both")
+        offsets = check_cu_seqlens(cu_seqlens, T)
+        n_seqs = len(offsets) - 1
+        max_len = max(b - a for a, b in pairwise(offsets))
+        S = check_matrix_state(
+            inputs, initial_state, (*batch, n_seqs, d_k, d_v), name="initial_state"
+        )
+        keep = length_mask(xp, offsets, max_len, inputs.device)[..., None]
+        packed = [pack(xp, x, offsets, max_len) for x in arrays]
+        out, S = _run(xp, packed, S, keep, method=method, chunk_size=chunk_size)
+        out = unpack(xp, out, offsets)
+    else:
+        S = check_matrix_state(inputs, initial_state, (*batch, d_k, d_v), name="initial_state")
+        keep = None
+        if attention_mask is not None:
+            mask = check_mask(inputs, attention_mask, T, layout)
+            keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
+        out, S = _run(xp, arrays, S, keep, method=method, chunk_size=chunk_size)
+    if T == 0 and initial_state is not None:  # never hand back the caller's own array
+        S = xp.asarray(S, copy=True)
+    out = layout.restore(finish(inputs, out, None))
+    return (out, S) if return_state else out
+
+
+def delta_rule_step(
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
+    beta_t: Array,
+    state: Array | None = None,
+    /,
+    *,
+    log_decay: Array | None = None,
+) -> tuple[Array, Array]:
+    """One token of the (gated) delta rule: update the state with ``(k_t, v_t)``, read with ``q_t``.
+
+    Cost and memory are O(d_k d_v) whatever the position. A state returned by
+    :func:`delta_rule_attention` (e.g. after a chunked prefill) continues here exactly.
+
+    Parameters
+    ----------
+    q_t, k_t : array
+        Query and key of the new token, shape ``(..., d_k)``.
+    v_t : array
+        Value of the new token, shape ``(..., d_v)``.
+    beta_t : float or array
+        Learning rate: a Python float in ``[0, 2]`` or an array of the dtype of ``q_t``
+        broadcastable to ``(..., 1)``.
+    state : array, optional
+        The state ``S`` before this token, shape ``(..., d_k, d_v)``; ``None`` starts from zeros.
+    log_decay : float or array, optional
+        ``log a_t <= 0`` of this token: ``None``, a Python float, or an array broadcastable to
+        ``(..., 1)``; values above 0 are taken as 0.
+
+    Returns
+    -------
+    o_t : array
+        Shape ``(..., d_v)``, same library, device and dtype as ``q_t``.
+    state : array
+        The state after this token (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    TypeError
+        Arrays from different libraries, non-floating dtypes, a state that is not one array.
+    ValueError
+        Mismatched shapes or devices, a float ``beta_t`` outside ``[0, 2]``, ``log_decay > 0``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import delta_rule_attention, delta_rule_step
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 10, 4))
+    >>> k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    >>> prompt, state = delta_rule_attention(q[:6], k[:6], v[:6], 0.5, return_state=True)
+    >>> outputs = []
+    >>> for t in range(6, 10):
+    ...     o_t, state = delta_rule_step(q[t], k[t], v[t], 0.5, state)
+    ...     outputs.append(o_t)
+    >>> whole = delta_rule_attention(q, k, v, 0.5)
+    >>> bool(np.allclose(np.stack(outputs), whole[6:]))
+    True
+    """
+    inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
+    xp = inputs.xp
+    batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
+    beta = check_coefficient(inputs, beta_t, (*batch, 1), name="beta_t", bounds=_BETA_BOUNDS)
+    g = _log_decay(inputs, log_decay, (*batch, 1))
+    S = check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
+    q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
+    o_t, S = delta_step(xp, q, k, v, beta, None if g is None else xp.exp(g), S)
+    return finish(inputs, o_t, None), S
