@@ -108,6 +108,14 @@ if "log_decay" in inspect.signature(polylin.causal_linear_attention).parameters:
     """
 
 
+if hasattr(polylin, "delta_rule_attention"):
+    EXPLAIN_CASES["delta_rule_attention"] = """
+        beta = torch.rand(2, 4, 37, 1)
+        qn, kn = (t / t.norm(dim=-1, keepdim=True) for t in (q, k))
+        fn, args, kwargs = polylin.delta_rule_attention, (qn, kn, v, beta), {}
+    """
+
+
 @pytest.fixture(scope="module")
 def explained(torch) -> dict:
     """``torch._dynamo.explain`` of every case, run in one fresh interpreter."""
