@@ -64,8 +64,10 @@ def _torch_namespace(x: Any) -> Any | None:
 
 def is_array(x: Any) -> bool:
     """Whether ``x`` is an array of a library that polylin can run on."""
-    if x is None or isinstance(x, (bool, int, float, complex, str)):
-        return False  # answered here: torch.compile warns in array-api-compat's cached check
+    # Plain Python values are answered here: torch.compile warns in array-api-compat's cached
+    # check. Exact types: NumPy scalars subclass float and are arrays to array-api-compat.
+    if x is None or type(x) in (bool, int, float, complex, str):
+        return False
     return _torch_namespace(x) is not None or array_api_compat.is_array_api_obj(x)
 
 
