@@ -16,7 +16,7 @@ from .attention import (
 from .decoding import step
 from .delta_rule import DELTA_METHODS, delta_rule_attention, delta_rule_step
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DELTA_METHODS",

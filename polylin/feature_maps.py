@@ -109,10 +109,14 @@ def elu_plus_one(x: Array, /) -> Array:
     array([0.36787944, 1.        , 3.        ])
     """
     xp = array_namespace(x)
-    zero = _zero(xp, x)
-    # exp of min(x, 0), not where(x > 0, x + 1, exp(x)): the discarded branch of a
-    # where still overflows for large x and poisons gradients with inf * 0 = nan.
-    return xp.exp(xp.minimum(x, zero)) + xp.maximum(x, zero)
+    # exp(min(x, 0)) + max(x, 0), written with h = x / 2 and |h|: h - |h| is min(x, 0) and
+    # h + |h| is max(x, 0), both exactly (halving and doubling are exact, and neither overflows).
+    # Not where(x > 0, x + 1, exp(x)): the discarded branch of a where still overflows for large
+    # x and poisons gradients with inf * 0 = nan. Not minimum/maximum either: their backward is
+    # about 3x slower on PyTorch CPU (docs/performance.md, "Training").
+    half = x * 0.5
+    magnitude = xp.abs(half)
+    return xp.exp(half - magnitude) + (half + magnitude)
 
 
 def relu(x: Array, /) -> Array:
