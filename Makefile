@@ -37,9 +37,9 @@ demo: $(VENV)/.demo-stamp
 	$(PY) -m polylin demo
 
 test: $(VENV)/.test-stamp
-	$(PY) -m ruff check polylin tests benchmarks
+	$(PY) -m ruff check polylin tests benchmarks examples
 	$(PY) -m mypy
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n auto -m "not slow"
 	POLYLIN_DOCS_OFFLINE=1 $(MAKE) docs
 
 # The tests marked slow (starting local Dask clusters): a separate CI step (.ci/run).
