@@ -109,13 +109,14 @@ def elu_plus_one(x: Array, /) -> Array:
     array([0.36787944, 1.        , 3.        ])
     """
     xp = array_namespace(x)
-    # exp(min(x, 0)) + max(x, 0), written with h = x / 2 and |h|: h - |h| is min(x, 0) and
-    # h + |h| is max(x, 0), both exactly (halving and doubling are exact, and neither overflows).
+    # exp(min(x, 0)) + max(x, 0), written with h = x / 2 and m = |x| / 2: h - m is min(x, 0) and
+    # h + m is max(x, 0), both exactly (halving and doubling are exact, and neither overflows).
     # Not where(x > 0, x + 1, exp(x)): the discarded branch of a where still overflows for large
     # x and poisons gradients with inf * 0 = nan. Not minimum/maximum either: their backward is
-    # about 3x slower on PyTorch CPU (docs/performance.md, "Training").
+    # about 3x slower on PyTorch CPU (docs/performance.md, "Training"). abs of x itself, not of
+    # h: autograd then saves x, which the caller keeps anyway, rather than a new array.
     half = x * 0.5
-    magnitude = xp.abs(half)
+    magnitude = xp.abs(x) * 0.5
     return xp.exp(half - magnitude) + (half + magnitude)
 
 
