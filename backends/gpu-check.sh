@@ -42,12 +42,12 @@ if [ "$MODE" = cpu ]; then
     BACKENDS=torch,numpy
     BENCH_ARGS=(--device cpu --seq-lens 256 128 --dims 16 --batch 1 --heads 2 --repeats 2
                 --seed-loop-len 16 --matmul-size 128)
-    SUITE=(tests/test_gpu_device.py tests/test_bench_gpu.py)
+    SUITE=(tests/test_gpu_device.py tests/test_benchmarks_gpu.py)
 else
     BACKENDS=${GPU_CHECK_BACKENDS:-torch:cuda,cupy}   # the issue's two; add jax:cuda if wanted
     BENCH_ARGS=(--device cuda)
     # The benchmark's CPU smoke test adds nothing here: the real benchmark runs in step 5.
-    SUITE=(tests/ --ignore=tests/test_gpu_device.py --ignore=tests/test_bench_gpu.py)
+    SUITE=(tests/ --ignore=tests/test_gpu_device.py --ignore=tests/test_benchmarks_gpu.py)
 fi
 
 # ---- 1. the machine -------------------------------------------------------------------------
@@ -101,7 +101,7 @@ else
     echo "no .whl/*.whl carried: using what is installed" >>"$OUT/env.txt"
 fi
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-if ! timeout 60 "$PY" -c "import polylin, array_api_compat, array_api_strict, hypothesis
+if ! timeout 60 "$PY" -c "import polylin, array_api_compat, array_api_strict, array_api_extra, hypothesis
 print('polylin', polylin.__version__, 'from', polylin.__file__)" >>"$OUT/env.txt" 2>&1; then
     [ "$rc" = 0 ] && rc=1
 fi

@@ -206,3 +206,22 @@ def test_flops_follow_the_shared_model(smoke):
     (row,) = _rows(report, impl="chunked", backend="torch", T=48, dtype="float32",
                    **{"pass": "forward"})
     assert row["model_flops"] == chunked_useful_flops(1 * 2, 48, 8, 8, 16)
+
+
+def test_gpu_check_script_names_files_that_exist():
+    """backends/gpu-check.sh runs on a borrowed machine with no second try: every test file it
+    names must exist, and every test-only module it imports must be among the carried wheels or
+    the machine's own packages (docs/contributing.md)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = (root / "backends" / "gpu-check.sh").read_text()
+    named = set(re.findall(r"tests/[\w/]+\.py", script))
+    assert named, "the script names no test file"
+    assert [n for n in sorted(named) if not (root / n).is_file()] == []
+    wheels = re.search(r"^GPU_WHEELS = (.*)$", (root / "Makefile").read_text(), re.M).group(1)
+    carried = {w.split("==")[0].replace("-", "_") for w in wheels.split()}
+    conftest = (root / "tests" / "conftest.py").read_text()
+    imported = set(re.findall(r"^(?:from|import) (array_api_\w+)", conftest, re.M))
+    assert imported <= carried, f"conftest imports {imported - carried}, not in GPU_WHEELS"
