@@ -21,9 +21,12 @@ the chunk is cut into sub-chunks of :data:`SUB_CHUNK` tokens: the off-diagonal s
 the start of the query's sub-chunk as reference (both factors <= 1, a batched matmul) and the
 diagonal sub-blocks are computed directly, ``(c, c, d_phi)`` per sub-chunk.
 
-The normalizer is not a separate computation: a column of ones is appended to V, so its last
-output column *is* ``phi(q_t) . z_t``, computed from exactly the same running sums as the
-numerator (and decayed exactly like them). No T x T matrix is formed.
+The normalizer is not a separate computation: the state carries ``z`` as one more column of
+``S`` (as if V had a column of ones: the increments get the column sums of K, the intra-chunk
+outputs the row sums of the scores), so the last output column *is* ``phi(q_t) . z_t``, computed
+from exactly the same running sums as the numerator (and decayed exactly like them). The ones
+column itself is never built: autograd would keep it, an array the size of V. No T x T matrix
+is formed.
 
 Autograd sees only whole-array operations: the sequence is cut into blocks and the chunk
 increments into states by one reshape and one ``unstack`` each (never a slice per block or per
@@ -32,8 +35,8 @@ results are joined by ``stack``/``concat``. The backward is therefore linear in 
 autograd backend, with no custom gradient code.
 
 On eager CPU backends (NumPy, PyTorch CPU, array-api-strict) the sequence is processed in
-blocks of about :data:`BLOCK_BYTES` of features and values: the feature map, the ones column,
-the per-chunk states and the scores of one block stay in cache, and the state is carried from
+blocks of about :data:`BLOCK_BYTES` of features and values: the feature map, the per-chunk
+states and the scores of one block stay in cache, and the state is carried from
 block to block by a short chain of additions. Lazy and accelerator backends (Dask, JAX, CuPy,
 PyTorch CUDA) get one block, a ``cumulative_sum`` over the chunk axis without decay and a
 logarithmic-depth scan with decay: they prefer few large operations.
@@ -103,7 +106,7 @@ def causal_chunked(
     if T == 0:
         return v, S, z
     dev = device(v)
-    # The ones column turns the normalizer into one more output column (see module docstring).
+    # z as one more column of S makes the normalizer one more output column (module docstring).
     state = xp.concat([S, z[..., None]], axis=-1)  # (..., d_phi, d_v + 1)
     d_phi = S.shape[-2]
     chunk = min(chunk_size, T)
@@ -170,7 +173,7 @@ def _block(
     normalize: bool,
     chained: bool,
 ) -> tuple[Any, Any]:
-    """Outputs of one block of tokens and the state after it (``state`` has the ones column)."""
+    """Outputs of one block of tokens and the state after it (``state``: z is its last column)."""
     *batch, length, d_v = v.shape
     d_phi = fq.shape[-1]
     causal = masks.causal
@@ -181,37 +184,47 @@ def _block(
         fq, fk, v = (pad_rows(xp, x, padded - length) for x in (fq, fk, v))
         if log_decay is not None:
             log_decay = pad_rows(xp, log_decay, padded - length)
-    ones = xp.ones((*batch, padded, 1), dtype=v.dtype, device=device(v))
-    v1 = xp.concat([v, ones], axis=-1)
     Q = xp.reshape(fq, (*batch, n_chunks, chunk, d_phi))
     K = xp.reshape(fk, (*batch, n_chunks, chunk, d_phi))
-    V = xp.reshape(v1, (*batch, n_chunks, chunk, d_v + 1))
+    V = xp.reshape(v, (*batch, n_chunks, chunk, d_v))
     if log_decay is None:
-        Kt = xp.matrix_transpose(K)
-        increments = xp.matmul(Kt, V)  # U_n
-        scores = xp.where(causal, xp.matmul(Q, Kt), 0.0)
-        states, new_state = _prefix(xp, increments, None, state, chained=chained)
-        out = xp.matmul(Q, states) + xp.matmul(scores, V)
+        states, new_state = _prefix(xp, _increments(xp, K, V), None, state, chained=chained)
+        scores = xp.where(causal, xp.matmul(Q, xp.matrix_transpose(K)), 0.0)
+        out = xp.matmul(Q, states) + _attend(xp, scores, V)
     else:
         lead, width = log_decay.shape[:-2], log_decay.shape[-1]
         G = xp.reshape(log_decay, (*lead, n_chunks, chunk, width))
         before = cumulative_sum(xp, G, axis=-2)  # b_t: from the chunk start to t, inclusive
         after = _sum_after(xp, G)  # B - b_s: from s (exclusive) to the chunk end
         total = xp.sum(G, axis=-2, keepdims=True)  # B: the whole chunk
-        increments = xp.matmul(xp.matrix_transpose(K * xp.exp(after)), V)
+        increments = _increments(xp, K * xp.exp(after), V)
         decay = xp.matrix_transpose(xp.exp(total))  # (..., n, width, 1): scales state rows
         states, new_state = _prefix(xp, increments, decay, state, chained=chained)
         if width == 1:
             scores = _scalar_gate_scores(xp, Q, K, G, causal)
         else:
             scores = _channel_gate_scores(xp, Q, K, G, masks)
-        out = xp.matmul(Q * xp.exp(before), states) + xp.matmul(scores, V)
+        out = xp.matmul(Q * xp.exp(before), states) + _attend(xp, scores, V)
     out = xp.reshape(out, (*batch, padded, d_v + 1))
     if padded != length:
         out = out[..., :length, :]
     if normalize:
         return out[..., :d_v] / (out[..., d_v:] + eps), new_state
     return out[..., :d_v], new_state
+
+
+def _increments(xp: Any, K: Any, V: Any) -> Any:
+    """``[K^T V, K^T 1]`` per chunk: ``K^T`` times V with a ones column, without building it.
+
+    A ones column concatenated to V would be a new array the size of V, which autograd keeps
+    for the backward of both matmuls; the column sums of K are the same numbers.
+    """
+    return xp.concat([xp.matmul(xp.matrix_transpose(K), V), xp.sum(K, axis=-2)[..., None]], axis=-1)
+
+
+def _attend(xp: Any, scores: Any, V: Any) -> Any:
+    """``scores @ [V, 1]``: the intra-chunk outputs and their normalizer column."""
+    return xp.concat([xp.matmul(scores, V), xp.sum(scores, axis=-1, keepdims=True)], axis=-1)
 
 
 def _sum_after(xp: Any, G: Any) -> Any:
