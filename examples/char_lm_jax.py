@@ -74,17 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    text = charlm.training_text()
-    vocab = charlm.Vocab.from_text(text)
-    train_data, val_data = charlm.split(vocab.encode(text))
-    print(
-        f"text: {len(text):,} characters, vocabulary {len(vocab)}; model: {args.layers} layers, "
-        f"d_model {args.d_model}, {args.heads} heads; {args.steps} steps of "
-        f"{args.batch} x {args.context} characters; jax {jax.__version__}"
-    )
-    init = charlm.init_params(
-        len(vocab), d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, seed=args.seed
-    )
+    _, train_data, val_data, init = charlm.prepare_run(args, f"jax {jax.__version__}")
     params = {name: jnp.asarray(w) for name, w in init.items()}
     opt_init, opt_update = adam(args.lr)
     opt_state = opt_init(params)

@@ -45,17 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    text = charlm.training_text()
-    vocab = charlm.Vocab.from_text(text)
-    train_data, val_data = charlm.split(vocab.encode(text))
-    print(
-        f"text: {len(text):,} characters, vocabulary {len(vocab)}; model: {args.layers} layers, "
-        f"d_model {args.d_model}, {args.heads} heads; {args.steps} steps of "
-        f"{args.batch} x {args.context} characters; torch {torch.__version__}"
-    )
-    init = charlm.init_params(
-        len(vocab), d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, seed=args.seed
-    )
+    vocab, train_data, val_data, init = charlm.prepare_run(args, f"torch {torch.__version__}")
     params = {name: torch.tensor(w, requires_grad=True) for name, w in init.items()}
     print(f"parameters: {sum(w.size for w in init.values()):,}")
     optimizer = torch.optim.Adam(params.values(), lr=args.lr)

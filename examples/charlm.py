@@ -355,25 +355,40 @@ def plot_losses(path: Path, curves: dict[str, list[float]]) -> bool:
 
 
 # -- command line ------------------------------------------------------------------------------
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (the message names the value)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _positive(convert: Any, noun: str) -> Any:
+    """An argparse type: a number > 0 of the given kind (the message names the value)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {noun}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {noun}, got {value}")
+        return value
+
+    return parse
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
+positive_int = _positive(int, "integer")
+positive_float = _positive(float, "number")
+
+
+def prepare_run(args: argparse.Namespace, framework: str) -> tuple[Any, Any, Any, dict]:
+    """What both training scripts start from: the vocabulary, the training and validation
+    tokens and the initial weights (NumPy, from ``args.seed``), after a line that says so."""
+    text = training_text()
+    vocab = Vocab.from_text(text)
+    train_data, val_data = split(vocab.encode(text))
+    print(
+        f"text: {len(text):,} characters, vocabulary {len(vocab)}; model: {args.layers} layers, "
+        f"d_model {args.d_model}, {args.heads} heads; {args.steps} steps of "
+        f"{args.batch} x {args.context} characters; {framework}"
+    )
+    init = init_params(
+        len(vocab), d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, seed=args.seed
+    )
+    return vocab, train_data, val_data, init
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,21 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from charlm import positive_int
 
 from polylin import LinearAttentionState, causal_linear_attention, step
 
 MiB = 2**20
 PREFILL_PIECE = 4096  # tokens per prefill call: bounds the prefill's temporaries
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -236,6 +236,21 @@ def check_method(method: Any, methods: Sequence[str]) -> str:
     return method
 
 
+def _check_boolean_array(
+    inputs: AttentionInputs, mask: Any, name: str, query: str, true_means: str
+) -> None:
+    """A mask is a boolean array of the inputs' library and device (``query`` names the input
+    it is compared with in messages; ``true_means`` says what True selects)."""
+    if namespace_of(**{name: mask}) is not inputs.xp:
+        raise TypeError(f"{name} must be an array of the same library as {query}")
+    if _other_device(inputs.device, mask):
+        raise ValueError(
+            f"{name} is on device {device_of(mask)} but {query} is on device {inputs.device}"
+        )
+    if not inputs.xp.isdtype(mask.dtype, "bool"):
+        raise TypeError(f"{name} must be boolean (True for {true_means}), got {mask.dtype}")
+
+
 def check_mask(
     inputs: AttentionInputs,
     attention_mask: Any,
@@ -254,16 +269,7 @@ def check_mask(
     ``layout`` describes the inputs' original layout (``None``: the standard ``(..., T, d)``).
     """
     xp = inputs.xp
-    if namespace_of(**{name: attention_mask}) is not xp:
-        raise TypeError(f"{name} must be an array of the same library as q")
-    if _other_device(inputs.device, attention_mask):
-        raise ValueError(
-            f"{name} is on device {device_of(attention_mask)} but q is on device {inputs.device}"
-        )
-    if not xp.isdtype(attention_mask.dtype, "bool"):
-        raise TypeError(
-            f"{name} must be boolean (True for real tokens), got {attention_mask.dtype}"
-        )
+    _check_boolean_array(inputs, attention_mask, name, "q", "real tokens")
     _check_known_shape(name, attention_mask)
     batch = inputs.batch_shape
     n_lead = len(batch)
@@ -305,17 +311,7 @@ def check_token_mask(inputs: AttentionInputs, attention_mask: Any) -> Any:
     """
     xp = inputs.xp
     name = "attention_mask"
-    if namespace_of(**{name: attention_mask}) is not xp:
-        raise TypeError(f"{name} must be an array of the same library as q_t")
-    if _other_device(inputs.device, attention_mask):
-        raise ValueError(
-            f"{name} is on device {device_of(attention_mask)} but q_t is on device {inputs.device}"
-        )
-    if not xp.isdtype(attention_mask.dtype, "bool"):
-        raise TypeError(
-            f"{name} must be boolean (True for rows that take this token), "
-            f"got {attention_mask.dtype}"
-        )
+    _check_boolean_array(inputs, attention_mask, name, "q_t", "rows that take this token")
     batch = inputs.batch_shape
     shape = tuple(attention_mask.shape)
     if len(batch) >= 1 and len(shape) == 1 and shape[0] in (1, batch[0]):
