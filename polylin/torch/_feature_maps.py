@@ -26,7 +26,7 @@ class _EluPlusOne(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.exp(torch.clamp(x, max=0.0)) + torch.clamp(x, min=0.0)
 
     @staticmethod
@@ -36,12 +36,12 @@ class _EluPlusOne(torch.autograd.Function):
         ctx.save_for_forward(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
         return grad * torch.exp(torch.clamp(x, max=0.0))
 
     @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def jvp(ctx: Any, tangent: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
         return tangent * torch.exp(torch.clamp(x, max=0.0))
 
