@@ -39,6 +39,7 @@ __all__ = [
     "native_elu_plus_one",
     "outside_graph",
     "stacked_qr",
+    "unstack",
     "unsupported_array",
 ]
 
@@ -99,6 +100,20 @@ def cumulative_sum(xp: Any, x: Any, /, *, axis: int, include_initial: bool = Fal
     shape[axis] = 1
     initial = xp.zeros(tuple(shape), dtype=inclusive.dtype, device=x.device)
     return xp.concat([initial, inclusive], axis=axis)
+
+
+def unstack(xp: Any, x: Any, /, *, axis: int) -> tuple[Any, ...]:
+    """``xp.unstack(x, axis=axis)``, with a contiguous gradient on PyTorch.
+
+    array-api-compat unstacks a tensor by iterating over ``moveaxis(x, axis, 0)``: autograd
+    then stacks the pieces' gradients along axis 0 and moves the axis back, a gradient in a
+    permuted layout that the backward of the reshape before the unstack copies whole (one
+    copy of each input per training step). ``torch.unbind`` along ``axis`` stacks them in
+    place. Call this instead of ``xp.unstack`` everywhere in the core.
+    """
+    if _torch_namespace(x) is None:
+        return tuple(xp.unstack(x, axis=axis))
+    return tuple(sys.modules["torch"].unbind(x, dim=axis))
 
 
 def native_elu_plus_one(x: Any) -> Any | None:
