@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._ops import pad_rows
-from ._policy import cumulative_sum, device, eager_cpu
+from ._policy import cumulative_sum, device, eager_cpu, unstack
 
 __all__ = ["BLOCK_ROWS", "delta_chunked", "delta_recurrent", "delta_step"]
 
@@ -61,8 +61,8 @@ def delta_recurrent(
     if T == 0:
         return v[..., :0, :], S
     # One unstack per input (a single op for autograd) rather than a slice per token.
-    qs, ks, vs, bs = (xp.unstack(x, axis=-2) for x in (q, k, v, beta))
-    decays = [None] * T if g is None else xp.unstack(xp.exp(g), axis=-2)
+    qs, ks, vs, bs = (unstack(xp, x, axis=-2) for x in (q, k, v, beta))
+    decays = [None] * T if g is None else unstack(xp, xp.exp(g), axis=-2)
     outputs = []
     for t in range(T):
         o, S = delta_step(xp, qs[t], ks[t], vs[t], bs[t], decays[t], S)
@@ -93,19 +93,32 @@ def _unit_lower_inverse(xp: Any, kb: Any, k: Any, G: Any | None) -> Any:
         if G is not None:  # repeat the last cumulative log decay: exponents stay <= 0
             tail = xp.broadcast_to(G[..., -1:, :], (*lead, size - C, 1))
             G = xp.concat([G, tail], axis=-2)
-    inverse = xp.ones((*lead, size, 1, 1), dtype=k.dtype, device=device(k))
-    s = 1
+    if size == 1:
+        return xp.ones((*lead, 1, 1), dtype=k.dtype, device=device(k))
+    # The keys of later tokens enter negated, once: then T21 = T22 (-L21) T11 needs no negation.
+    kb = -kb
+    # s = 1 directly: the 2 x 2 inverses are [[1, 0], [-l, 1]], l the one entry of L21.
+    _, kb_low = unstack(xp, xp.reshape(kb, (*lead, size // 2, 2, d_k)), axis=-2)
+    k_up, _ = unstack(xp, xp.reshape(k, (*lead, size // 2, 2, d_k)), axis=-2)
+    entry = xp.sum(kb_low * k_up, axis=-1)  # -l, (..., size / 2)
+    if G is not None:
+        G_up, G_low = unstack(xp, xp.reshape(G, (*lead, size // 2, 2)), axis=-1)
+        entry = entry * xp.exp(G_low - G_up)
+    one, zero = xp.ones_like(entry), xp.zeros_like(entry)
+    inverse = xp.reshape(xp.stack([one, zero, entry, one], axis=-1), (*lead, size // 2, 2, 2))
+    s = 2
     while s < size:
         pairs = (*lead, size // (2 * s), 2, s)
-        _, kb_low = xp.unstack(xp.reshape(kb, (*pairs, d_k)), axis=-3)
-        k_up, _ = xp.unstack(xp.reshape(k, (*pairs, d_k)), axis=-3)
-        L21 = xp.matmul(kb_low, xp.matrix_transpose(k_up))
+        _, kb_low = unstack(xp, xp.reshape(kb, (*pairs, d_k)), axis=-3)
+        k_up, _ = unstack(xp, xp.reshape(k, (*pairs, d_k)), axis=-3)
+        L21 = xp.matmul(kb_low, xp.matrix_transpose(k_up))  # -L21
         if G is not None:
-            G_up, G_low = xp.unstack(xp.reshape(G, (*pairs, 1)), axis=-3)
+            G_up, G_low = unstack(xp, xp.reshape(G, (*pairs, 1)), axis=-3)
             L21 = L21 * xp.exp(G_low - xp.matrix_transpose(G_up))
-        T11, T22 = xp.unstack(xp.reshape(inverse, (*pairs, s)), axis=-3)
-        T21 = -xp.matmul(T22, xp.matmul(L21, T11))
-        upper = xp.concat([T11, xp.zeros_like(T11)], axis=-1)
+        T11, T22 = unstack(xp, xp.reshape(inverse, (*pairs, s)), axis=-3)
+        T21 = xp.matmul(T22, xp.matmul(L21, T11))
+        # Fresh zeros: ``zeros_like`` of a strided view copies its strides and slows the concat.
+        upper = xp.concat([T11, xp.zeros(T11.shape, dtype=T11.dtype, device=device(T11))], axis=-1)
         lower = xp.concat([T21, T22], axis=-1)
         inverse = xp.concat([upper, lower], axis=-2)  # (..., size / 2s, 2s, 2s)
         s *= 2
@@ -150,7 +163,10 @@ def delta_chunked(
     if n_blocks == 1:
         blocks = [[x[..., 0, :, :, :] for x in arrays]]
     else:
-        blocks = list(zip(*(xp.unstack(x, axis=-4) for x in arrays)))
+        blocks = list(zip(*(unstack(xp, x, axis=-4) for x in arrays)))
+        # A flattening reshape copies the strided block of q and k once (matmul would copy
+        # them at every use, and the key reshapes of the inversion too).
+        blocks = [[_dense(xp, x) for x in block[:2]] + list(block[2:]) for block in blocks]
     i = xp.arange(chunk, device=device(k))
     causal = i[None, :] <= i[:, None]
     outputs = []
@@ -160,6 +176,11 @@ def delta_chunked(
     out = outputs[0] if n_blocks == 1 else xp.stack(outputs, axis=-4)
     out = xp.reshape(out, (*batch, padded, d_v))
     return (out if padded == T else out[..., :T, :]), S
+
+
+def _dense(xp: Any, x: Any) -> Any:
+    """``x`` with its elements in row-major order: a copy only if it is a strided view."""
+    return xp.reshape(xp.reshape(x, (-1,)), x.shape)
 
 
 def _block(
@@ -172,13 +193,15 @@ def _block(
     if rest:
         G = cumulative_sum(xp, rest[0], axis=-2)  # (..., N, C, 1), non-increasing, <= 0
         G_last = G[..., -1:, :]
-        gap = xp.where(causal, G - xp.matrix_transpose(G), 0.0)  # selected before exp
+        # Selected, not clipped by ``minimum`` (whose gradient is halved at ties, where log
+        # decays are 0): above the diagonal the exponent would be positive.
+        gap = xp.where(causal, G - xp.matrix_transpose(G), 0.0)
         scores = scores * xp.exp(gap)
         inverse = _unit_lower_inverse(xp, Kb, K, G)
         keys_rhs = Kb * xp.exp(G)
         Q = Q * xp.exp(G)
         K_out = K * xp.exp(G_last - G)  # how much of each token's write survives the chunk
-        chunk_decays = xp.unstack(xp.exp(G_last), axis=-3)  # (..., 1, 1) each
+        chunk_decays = unstack(xp, xp.exp(G_last), axis=-3)  # (..., 1, 1) each
     else:
         inverse = _unit_lower_inverse(xp, Kb, K, None)
         keys_rhs = Kb
@@ -189,7 +212,7 @@ def _block(
     Wk = xp.matmul(inverse, keys_rhs)
     # The state recurrence across chunks is sequential: S_n feeds W_n. Each input is unstacked
     # once (one op for autograd); per chunk only W_n = U_n - Wk_n S_n and the state update remain.
-    Us, Wks, Ks = (xp.unstack(x, axis=-3) for x in (U, Wk, xp.matrix_transpose(K_out)))
+    Us, Wks, Ks = (unstack(xp, x, axis=-3) for x in (U, Wk, xp.matrix_transpose(K_out)))
     states, corrections = [], []
     for n in range(len(Us)):
         states.append(S)
