@@ -198,8 +198,9 @@ def _block(
         gap = xp.where(causal, G - xp.matrix_transpose(G), 0.0)
         scores = scores * xp.exp(gap)
         inverse = _unit_lower_inverse(xp, Kb, K, G)
-        keys_rhs = Kb * xp.exp(G)
-        Q = Q * xp.exp(G)
+        decayed = xp.exp(G)  # how much of the chunk's starting state each token still sees
+        keys_rhs = Kb * decayed
+        Q = Q * decayed
         K_out = K * xp.exp(G_last - G)  # how much of each token's write survives the chunk
         chunk_decays = unstack(xp, xp.exp(G_last), axis=-3)  # (..., 1, 1) each
     else:

@@ -403,8 +403,10 @@ def test_gradients_are_finite_with_nan_padding(rng):
 
 
 @pytest.mark.parametrize("keys", ["random", "repeated"])
-def test_float32_long_sequence(rng, keys):
-    """float32 at T = 4096 (chunk 64, per-token beta and decay) within 1e-4 of float64.
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_float32_long_sequence(rng, keys, chunk_size):
+    """float32 at T = 4096 (chunks of 32 and 64, per-token beta and decay) within 1e-4 of
+    float64.
 
     "repeated" draws every key from 8 unit vectors, the associative-recall regime where the
     chunk's triangular system is far from the identity (entries of magnitude up to 1).
@@ -425,7 +427,9 @@ def test_float32_long_sequence(rng, keys):
         g = None if ungated else args[4]
         if ungated:
             want, want_state = reference(*args[:4])
-        out, state = delta_rule_attention(*args[:4], log_decay=g, return_state=True)
+        out, state = delta_rule_attention(
+            *args[:4], log_decay=g, chunk_size=chunk_size, return_state=True
+        )
         assert out.dtype == np.float32
         np.testing.assert_allclose(out, want, atol=1e-4, rtol=0)
         np.testing.assert_allclose(state, want_state, atol=1e-4, rtol=0)
