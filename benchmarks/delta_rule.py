@@ -96,8 +96,8 @@ def forward(repeats: int, chunk: dict[str, int]) -> dict[str, float]:
             },
             repeats,
         )
-        # The per-token loops take seconds: fewer repeats, each timed beside one more chunked
-        # call of its own function.
+        # The per-token loops are slow: fewer repeats (at least 3), each loop timed beside one
+        # more chunked call of its own function.
         slow = interleaved(
             {
                 "delta_recurrent": lambda: delta_rule_attention(q, k, v, beta, method="recurrent"),
@@ -105,7 +105,7 @@ def forward(repeats: int, chunk: dict[str, int]) -> dict[str, float]:
                 "linear_recurrent": lambda: causal_linear_attention(q, k, v, method="recurrent"),
                 "linear_chunked_again": lambda: causal_linear_attention(q, k, v),
             },
-            max(1, repeats // 3),
+            max(3, repeats // 2),
         )
     return {**fast, **slow}
 
