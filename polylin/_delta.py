@@ -78,11 +78,11 @@ def _unit_lower_inverse(xp: Any, kb: Any, k: Any, G: Any | None) -> Any:
 
     A log-depth block recursion: the inverses of the diagonal blocks of size ``s`` are merged in
     pairs by ``inv([[L11, 0], [L21, L22]]) = [[T11, 0], [-T22 L21 T11, T22]]`` (``T = L^{-1}``),
-    from ``s = 1`` (ones) to the whole chunk, each level one batched computation over all pairs
-    of all chunks. It is exact triangular inversion (not a truncated series), with the rounding
-    behaviour of forward substitution. ``L21`` is built from the keys of the two halves, so no
-    full ``C x C`` matrix is sliced and every decay factor is ``exp(G_i - G_j)`` with token ``i``
-    after token ``j``: an exponent ``<= 0`` without any mask.
+    from the ``2 x 2`` blocks (by formula) to the whole chunk, each level one batched computation
+    over all pairs of all chunks. It is exact triangular inversion (not a truncated series),
+    with the rounding behaviour of forward substitution. ``L21`` is built from the keys of the
+    two halves, so no full ``C x C`` matrix is sliced and every decay factor is
+    ``exp(G_i - G_j)`` with token ``i`` after token ``j``: an exponent ``<= 0`` without any mask.
     """
     *lead, C, d_k = k.shape
     size = 1
