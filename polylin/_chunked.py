@@ -117,7 +117,7 @@ def causal_chunked(
     itemsize = xp.finfo(v.dtype).bits // 8
     token_bytes = math.prod(batch) * (d_phi + d_v) * itemsize
     if channels:
-        token_bytes *= CHANNEL_BYTES
+        token_bytes = int(token_bytes * CHANNEL_BYTES)
     block = block_tokens(eager, T, chunk, token_bytes)
     causal = causal_mask(xp, chunk, chunk, dev)
     outputs = []
@@ -257,19 +257,18 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     while h < chunk:
         pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
         upper, lower = xp.unstack(xp.reshape(scores, (*lead, n, pairs, 2, h, h)), axis=-3)
-        lower_q = xp.unstack(_halves(xp, queries, pairs), axis=-3)[1]
-        upper_k = xp.unstack(_halves(xp, keys, pairs), axis=-3)[0]
+        upper_q, lower_q = xp.unstack(_halves(xp, queries, pairs), axis=-3)
+        upper_k, lower_k = xp.unstack(_halves(xp, keys, pairs), axis=-3)
         corner = xp.matmul(lower_q, xp.matrix_transpose(upper_k))  # t in lower, s in upper
         top = xp.concat([upper, xp.zeros_like(upper)], axis=-1)
         scores = xp.concat([top, xp.concat([corner, lower], axis=-1)], axis=-2)
         # Stretches of 2h: a query in the second half also crosses the whole first half, a key
-        # in the first half the whole second half (a selection by multiplying with 1 or a
-        # factor, one broadcast product each).
+        # in the first half the whole second half; the other halves are unchanged (not
+        # multiplied by ones: autograd keeps only the halves it multiplies).
         *g_lead, _, width = whole.shape
         first, second = xp.unstack(xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
-        ones = xp.ones_like(first)
-        queries = _join(xp, _halves(xp, queries, pairs) * xp.stack([ones, first], axis=-3))
-        keys = _join(xp, _halves(xp, keys, pairs) * xp.stack([second, ones], axis=-3))
+        queries = _join(xp, xp.stack([upper_q, lower_q * first], axis=-3))
+        keys = _join(xp, xp.stack([upper_k * second, lower_k], axis=-3))
         whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
     return xp.reshape(scores, (*lead, n, chunk, chunk)), queries, keys, whole
