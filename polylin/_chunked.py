@@ -13,13 +13,16 @@ of the chunk to token t (inclusive) and ``B_n`` its value at the chunk's end::
     S_{n+1} = exp(B_n) S_n + U_n                          (diag(exp(B_n)) per channel)
     O_n = (Q_n * exp(b)) S_n + A_n V_n,   A_ts = sum_c q_tc k_sc exp(b_tc - b_sc)  (s <= t)
 
-Every exponential is of a sum of log decays over a stretch of the chunk, computed as that sum
-(never as a difference of two large cumulative sums, which loses float32 precision), so each
-factor is in (0, 1] whatever the decay strength. A scalar gate per token factors the scores as
-``(Q K^T) * exp(segment sums)``; a per-channel gate cannot be factored over a whole chunk, so
-the chunk is cut into sub-chunks of :data:`SUB_CHUNK` tokens: the off-diagonal sub-blocks use
-the start of the query's sub-chunk as reference (both factors <= 1, a batched matmul) and the
-diagonal sub-blocks are computed directly, ``(c, c, d_phi)`` per sub-chunk.
+Every decay factor is the decay over a stretch of the chunk, computed from that stretch's own
+log decays (never from a difference of two large cumulative sums, which loses float32
+precision), so each factor is in (0, 1] whatever the decay strength. A scalar gate per token
+factors the scores as ``(Q K^T) * exp(segment sums)``. A per-channel gate cannot be factored
+over a whole chunk (``exp(-b_s)`` alone can overflow), so its scores are built level by level
+over blocks of 2, 4, ..., C tokens (C rounded up to a power of two): in every block the queries
+of the lower half meet the keys of the upper half through the block's middle, both factors
+<= 1, one batched matmul per level (:func:`_channel_gate`). Its factors are products of the
+per-token ``exp(g_t)``; after the last level they are the ``exp(b)``, ``exp(B - b)`` and
+``exp(B)`` of the formulas above.
 
 The normalizer is not a separate computation: the state carries ``z`` as one more column of
 ``S`` (as if V had a column of ones: the increments get the column sums of K, the intra-chunk
@@ -59,8 +62,6 @@ __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 #: faster than 1, 4 and 8 MiB (larger blocks spill the cache, smaller ones pay more
 #: per-operation overhead); on one thread 1 MiB is up to 10% faster.
 BLOCK_BYTES = 2 * 2**20
-
-CHANNEL_BYTES = 2
 
 #: ``features(q, k, mask)`` returns ``(phi(q), phi(k))`` of one block of tokens in the work
 #: dtype, masked keys already zeroed (``mask`` is that block of the attention mask, or None).
@@ -115,9 +116,10 @@ def causal_chunked(
         log_decay = xp.broadcast_to(log_decay, (*log_decay.shape[:-2], T, log_decay.shape[-1]))
     eager = eager_cpu(xp, dev)
     itemsize = xp.finfo(v.dtype).bits // 8
+    # Per-channel gates use the same blocks: counting their extra arrays (the gates, each
+    # level's decayed queries and keys) would make blocks shorter, and that measured no faster
+    # (twice the bytes per token) or 15-60% slower (four times), forward and backward.
     token_bytes = math.prod(batch) * (d_phi + d_v) * itemsize
-    if channels:
-        token_bytes = int(token_bytes * CHANNEL_BYTES)
     block = block_tokens(eager, T, chunk, token_bytes)
     causal = causal_mask(xp, chunk, chunk, dev)
     outputs = []
