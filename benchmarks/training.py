@@ -53,8 +53,8 @@ def plain_chunked_torch(q, k, v, chunk=64, eps=1e-6):
 
 def polylin_torch_elu(q, k, v):
     """polylin's chunked form with the plain form's feature map (``F.elu(x) + 1``, one fused
-    PyTorch op with its own backward) instead of the array-API ``elu_plus_one``: the algorithm
-    alone, compared on equal terms."""
+    PyTorch op with its own backward) instead of ``elu_plus_one`` (an autograd function on
+    PyTorch, with an exact ``exp``): the algorithm alone, compared on equal terms."""
     import torch.nn.functional as F
 
     from polylin import causal_linear_attention

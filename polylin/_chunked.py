@@ -52,7 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._ops import causal_mask, pad_rows, split_rows
-from ._policy import cumulative_sum, device, eager_cpu
+from ._policy import cumulative_sum, device, eager_cpu, unstack
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
@@ -301,8 +301,8 @@ def _prefix(
     """
     if chained:
         running = [state]
-        decays = [None] * increments.shape[-3] if decay is None else xp.unstack(decay, axis=-3)
-        for increment, factor in zip(xp.unstack(increments, axis=-3), decays):
+        decays = [None] * increments.shape[-3] if decay is None else unstack(xp, decay, axis=-3)
+        for increment, factor in zip(unstack(xp, increments, axis=-3), decays):
             previous = running[-1] if factor is None else factor * running[-1]
             running.append(previous + increment)
         new_state = running.pop()

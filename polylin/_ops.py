@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._policy import device
+from ._policy import device, unstack
 
 __all__ = ["causal_mask", "pad_rows", "split_rows"]
 
@@ -43,7 +43,7 @@ def split_rows(xp: Any, x: Any | None, size: int, length: int) -> list[Any]:
     whole = length // size
     *lead, _, width = x.shape
     main = x if whole * size == length else x[..., : whole * size, :]
-    pieces = list(xp.unstack(xp.reshape(main, (*lead, whole, size, width)), axis=-3))
+    pieces = list(unstack(xp, xp.reshape(main, (*lead, whole, size, width)), axis=-3))
     if whole * size != length:
         pieces.append(x[..., whole * size :, :])
     return pieces

@@ -36,8 +36,10 @@ __all__ = [
     "is_array",
     "is_tracer",
     "materialized",
+    "native_elu_plus_one",
     "outside_graph",
     "stacked_qr",
+    "unstack",
     "unsupported_array",
 ]
 
@@ -98,6 +100,36 @@ def cumulative_sum(xp: Any, x: Any, /, *, axis: int, include_initial: bool = Fal
     shape[axis] = 1
     initial = xp.zeros(tuple(shape), dtype=inclusive.dtype, device=x.device)
     return xp.concat([initial, inclusive], axis=axis)
+
+
+def unstack(xp: Any, x: Any, /, *, axis: int) -> tuple[Any, ...]:
+    """``xp.unstack(x, axis=axis)``, with a contiguous gradient on PyTorch.
+
+    array-api-compat unstacks a tensor by iterating over ``moveaxis(x, axis, 0)``: autograd
+    then stacks the pieces' gradients along axis 0 and moves the axis back, a gradient in a
+    permuted layout that the backward of the reshape before the unstack copies whole (one
+    copy of each input per training step). ``torch.unbind`` along ``axis`` stacks them in
+    place. Call this instead of ``xp.unstack`` everywhere in the core.
+    """
+    if _torch_namespace(x) is None:
+        return tuple(xp.unstack(x, axis=axis))
+    return tuple(sys.modules["torch"].unbind(x, dim=axis))
+
+
+def native_elu_plus_one(x: Any) -> Any | None:
+    """``elu(x) + 1`` by the library's own autograd registration, or ``None`` where it has none.
+
+    PyTorch's autograd would keep the ``exp`` output of the array-API form for the backward (an
+    array the size of ``x``); :mod:`polylin.torch._feature_maps` keeps only ``x``. Imported
+    only for a tensor, that is once torch is. Not while ``torch.compile`` traces: its compiler
+    chooses what to keep for the backward itself (and Dynamo cannot trace a custom forward-mode
+    rule).
+    """
+    if _torch_namespace(x) is None or compiling(x):
+        return None
+    from .torch._feature_maps import elu_plus_one
+
+    return elu_plus_one(x)
 
 
 def _library(xp: Any) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._policy import unstack
+
 __all__ = ["causal_recurrent", "recurrent_step"]
 
 
@@ -64,13 +66,13 @@ def causal_recurrent(
     T = fq.shape[-2]
     if T == 0:
         return v[..., :0, :], S, z
-    tokens = [xp.unstack(x, axis=-2) for x in (fq, fk, v)]
+    tokens = [unstack(xp, x, axis=-2) for x in (fq, fk, v)]
     if log_decay is None:
         decays = [None] * T
     elif log_decay.shape[-2] == 1:
         decays = [log_decay[..., 0, :]] * T
     else:
-        decays = xp.unstack(log_decay, axis=-2)
+        decays = unstack(xp, log_decay, axis=-2)
     outputs = []
     for q_t, k_t, v_t, g_t in zip(*tokens, decays):
         o, S, z = recurrent_step(xp, q_t, k_t, v_t, S, z, eps, log_decay=g_t, normalize=normalize)
