@@ -258,9 +258,9 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     h = 1
     while h < chunk:
         pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
-        upper, lower = xp.unstack(xp.reshape(scores, (*lead, n, pairs, 2, h, h)), axis=-3)
-        upper_q, lower_q = xp.unstack(_halves(xp, queries, pairs), axis=-3)
-        upper_k, lower_k = xp.unstack(_halves(xp, keys, pairs), axis=-3)
+        upper, lower = unstack(xp, xp.reshape(scores, (*lead, n, pairs, 2, h, h)), axis=-3)
+        upper_q, lower_q = unstack(xp, _halves(xp, queries, pairs), axis=-3)
+        upper_k, lower_k = unstack(xp, _halves(xp, keys, pairs), axis=-3)
         corner = xp.matmul(lower_q, xp.matrix_transpose(upper_k))  # t in lower, s in upper
         top = xp.concat([upper, xp.zeros_like(upper)], axis=-1)
         scores = xp.concat([top, xp.concat([corner, lower], axis=-1)], axis=-2)
@@ -268,7 +268,7 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
         # in the first half the whole second half; the other halves are unchanged (not
         # multiplied by ones: autograd keeps only the halves it multiplies).
         *g_lead, _, width = whole.shape
-        first, second = xp.unstack(xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
+        first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
         queries = _join(xp, xp.stack([upper_q, lower_q * first], axis=-3))
         keys = _join(xp, xp.stack([upper_k * second, lower_k], axis=-3))
         whole = first[..., 0, :] * second[..., 0, :]
