@@ -13,13 +13,16 @@ of the chunk to token t (inclusive) and ``B_n`` its value at the chunk's end::
     S_{n+1} = exp(B_n) S_n + U_n                          (diag(exp(B_n)) per channel)
     O_n = (Q_n * exp(b)) S_n + A_n V_n,   A_ts = sum_c q_tc k_sc exp(b_tc - b_sc)  (s <= t)
 
-Every exponential is of a sum of log decays over a stretch of the chunk, computed as that sum
-(never as a difference of two large cumulative sums, which loses float32 precision), so each
-factor is in (0, 1] whatever the decay strength. A scalar gate per token factors the scores as
-``(Q K^T) * exp(segment sums)``; a per-channel gate cannot be factored over a whole chunk, so
-the chunk is cut into sub-chunks of :data:`SUB_CHUNK` tokens: the off-diagonal sub-blocks use
-the start of the query's sub-chunk as reference (both factors <= 1, a batched matmul) and the
-diagonal sub-blocks are computed directly, ``(c, c, d_phi)`` per sub-chunk.
+Every decay factor is the decay over a stretch of the chunk, computed from that stretch's own
+log decays (never from a difference of two large cumulative sums, which loses float32
+precision), so each factor is in (0, 1] whatever the decay strength. A scalar gate per token
+factors the scores as ``(Q K^T) * exp(segment sums)``. A per-channel gate cannot be factored
+over a whole chunk (``exp(-b_s)`` alone can overflow), so its scores are built level by level
+over blocks of 2, 4, ..., C tokens (C rounded up to a power of two): in every block the queries
+of the lower half meet the keys of the upper half through the block's middle, both factors
+<= 1, one batched matmul per level (:func:`_channel_gate`). Its factors are products of the
+per-token ``exp(g_t)``; after the last level they are the ``exp(b)``, ``exp(B - b)`` and
+``exp(B)`` of the formulas above.
 
 The normalizer is not a separate computation: the state carries ``z`` as one more column of
 ``S`` (as if V had a column of ones: the increments get the column sums of K, the intra-chunk
@@ -46,12 +49,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from ._ops import causal_mask, pad_rows, split_rows
 from ._policy import cumulative_sum, device, eager_cpu, unstack
 
-__all__ = ["BLOCK_BYTES", "SUB_CHUNK", "block_tokens", "causal_chunked"]
+__all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
 #: Bytes per block on eager CPU backends, counted as batch x tokens x (d_phi + d_v) x itemsize;
 #: chosen by measurement (``docs/performance.md``): 2 MiB is 4096 rows (batch x tokens) at
@@ -59,10 +62,6 @@ __all__ = ["BLOCK_BYTES", "SUB_CHUNK", "block_tokens", "causal_chunked"]
 #: faster than 1, 4 and 8 MiB (larger blocks spill the cache, smaller ones pay more
 #: per-operation overhead); on one thread 1 MiB is up to 10% faster.
 BLOCK_BYTES = 2 * 2**20
-
-#: Sub-chunk length for per-channel decay: the diagonal sub-blocks cost ``T x SUB_CHUNK x d_phi``
-#: elementwise work and memory, the off-diagonal ones ``chunk / SUB_CHUNK`` copies of the keys.
-SUB_CHUNK = 16
 
 #: ``features(q, k, mask)`` returns ``(phi(q), phi(k))`` of one block of tokens in the work
 #: dtype, masked keys already zeroed (``mask`` is that block of the attention mask, or None).
@@ -111,53 +110,28 @@ def causal_chunked(
     d_phi = S.shape[-2]
     chunk = min(chunk_size, T)
     channels = log_decay is not None and log_decay.shape[-1] != 1
-    if channels and chunk > SUB_CHUNK:  # whole sub-chunks; padding changes no result
-        chunk = -(-chunk // SUB_CHUNK) * SUB_CHUNK
+    if channels:  # halved level by level (_channel_gate); padding changes no result
+        chunk = 1 << (chunk - 1).bit_length()
     if log_decay is not None and log_decay.shape[-2] != T:
         log_decay = xp.broadcast_to(log_decay, (*log_decay.shape[:-2], T, log_decay.shape[-1]))
     eager = eager_cpu(xp, dev)
     itemsize = xp.finfo(v.dtype).bits // 8
+    # Per-channel gates use the same blocks: counting their extra arrays (the gates, each
+    # level's decayed queries and keys) would make blocks shorter, and that measured no faster
+    # (twice the bytes per token) or 15-60% slower (four times), forward and backward.
     token_bytes = math.prod(batch) * (d_phi + d_v) * itemsize
-    if channels:  # the diagonal sub-blocks hold SUB_CHUNK values per feature and token
-        token_bytes *= 1 + min(chunk, SUB_CHUNK) // 2
     block = block_tokens(eager, T, chunk, token_bytes)
-    masks = _Masks.make(xp, chunk, channels, v.dtype, dev)
+    causal = causal_mask(xp, chunk, chunk, dev)
     outputs = []
     pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))
     for q_b, k_b, v_b, mask_b, decay_b in zip(*pieces):
         fq, fk = features(q_b, k_b, mask_b)
         out, state = _block(
-            xp, fq, fk, v_b, decay_b, state, masks, eps=eps, normalize=normalize, chained=eager
+            xp, fq, fk, v_b, decay_b, state, causal, eps=eps, normalize=normalize, chained=eager
         )
         outputs.append(out)
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
     return out, state[..., :d_v], state[..., d_v]
-
-
-class _Masks(NamedTuple):
-    """The constant masks of one call, made once (not per block)."""
-
-    causal: Any  # (C, C) bool: s <= t
-    sub_causal: Any = None  # (c, c) bool, per-channel decay only
-    segments: Any = None  # (c, c * c) 0/1: segment_sum_matrix transposed
-    earlier: Any = None  # (m, m) bool: j < i, sub-chunks
-    same: Any = None  # (m, m) bool: i == j
-
-    @classmethod
-    def make(cls, xp: Any, chunk: int, channels: bool, dtype: Any, dev: Any) -> _Masks:
-        causal = causal_mask(xp, chunk, chunk, dev)
-        if not channels:
-            return cls(causal)
-        sub = min(chunk, SUB_CHUNK)
-        m = chunk // sub
-        index = xp.arange(m, device=dev)
-        return cls(
-            causal,
-            causal_mask(xp, sub, sub, dev),
-            xp.matrix_transpose(segment_sum_matrix(xp, sub, dtype, dev)),
-            causal_mask(xp, m, m, dev, strict=True),
-            index[:, None] == index[None, :],
-        )
 
 
 def _block(
@@ -167,7 +141,7 @@ def _block(
     v: Any,
     log_decay: Any | None,
     state: Any,
-    masks: _Masks,
+    causal: Any,
     *,
     eps: float,
     normalize: bool,
@@ -176,7 +150,6 @@ def _block(
     """Outputs of one block of tokens and the state after it (``state``: z is its last column)."""
     *batch, length, d_v = v.shape
     d_phi = fq.shape[-1]
-    causal = masks.causal
     chunk = causal.shape[-1]
     n_chunks = -(-length // chunk)
     padded = n_chunks * chunk
@@ -194,17 +167,17 @@ def _block(
     else:
         lead, width = log_decay.shape[:-2], log_decay.shape[-1]
         G = xp.reshape(log_decay, (*lead, n_chunks, chunk, width))
-        before = cumulative_sum(xp, G, axis=-2)  # b_t: from the chunk start to t, inclusive
-        after = _sum_after(xp, G)  # B - b_s: from s (exclusive) to the chunk end
-        total = xp.sum(G, axis=-2, keepdims=True)  # B: the whole chunk
-        increments = _increments(xp, K * xp.exp(after), V)
-        decay = xp.matrix_transpose(xp.exp(total))  # (..., n, width, 1): scales state rows
-        states, new_state = _prefix(xp, increments, decay, state, chained=chained)
         if width == 1:
+            before = cumulative_sum(xp, G, axis=-2)  # b_t: from the chunk start to t, inclusive
+            after = _sum_after(xp, G)  # B - b_s: from s (exclusive) to the chunk end
+            total = xp.sum(G, axis=-2, keepdims=True)  # B: the whole chunk
             scores = _scalar_gate_scores(xp, Q, K, G, causal)
+            queries, keys, chunk_decay = Q * xp.exp(before), K * xp.exp(after), xp.exp(total)
         else:
-            scores = _channel_gate_scores(xp, Q, K, G, masks)
-        out = xp.matmul(Q * xp.exp(before), states) + _attend(xp, scores, V)
+            scores, queries, keys, chunk_decay = _channel_gate(xp, Q, K, G)
+        decay = xp.matrix_transpose(chunk_decay)  # (..., n, width, 1): scales state rows
+        states, new_state = _prefix(xp, _increments(xp, keys, V), decay, state, chained=chained)
+        out = xp.matmul(queries, states) + _attend(xp, scores, V)
     out = xp.reshape(out, (*batch, padded, d_v + 1))
     if padded != length:
         out = out[..., :length, :]
@@ -251,76 +224,71 @@ def _segment_sums(xp: Any, G: Any, axis: int) -> Any:
     return cumulative_sum(xp, terms, axis=axis - 1)
 
 
-def segment_sum_matrix(xp: Any, length: int, dtype: Any, dev: Any) -> Any:
-    """``(length * length, length)`` 0/1 matrix M with ``(M g)[t * length + s] = sum_{s<r<=t} g_r``.
-
-    Row ``(t, s)`` selects the tokens r with ``s < r <= t`` (no token where ``t <= s``): every
-    entry of the product is a sum of its own terms only (adding exact zeros), as precise as
-    a segment sum and computed as one matrix multiplication.
-    """
-    t = xp.arange(length, device=dev)[:, None, None]
-    s = xp.arange(length, device=dev)[None, :, None]
-    r = xp.arange(length, device=dev)[None, None, :]
-    selected = (s < r) & (r <= t)
-    return xp.astype(xp.reshape(selected, (length * length, length)), dtype)
-
-
 def _scalar_gate_scores(xp: Any, Q: Any, K: Any, G: Any, causal: Any) -> Any:
     """``where(s <= t, (q_t . k_s) exp(sum_{s<r<=t} g_r), 0)`` for a scalar gate per token."""
     decay = xp.exp(_segment_sums(xp, G[..., 0], axis=-1))  # (..., n, C, C), in (0, 1]
     return xp.where(causal, xp.matmul(Q, xp.matrix_transpose(K)) * decay, 0.0)
 
 
-def _channel_gate_scores(xp: Any, Q: Any, K: Any, G: Any, masks: _Masks) -> Any:
-    """``A_ts = sum_c q_tc k_sc exp(sum_{s<r<=t} g_rc)`` for ``s <= t``, one gate per channel.
+def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
+    """Intra-chunk scores and decayed queries and keys for a gate per channel (``G``'s width).
 
-    The chunk is cut into ``m`` sub-chunks of ``c`` tokens. For a query in sub-chunk i and a key
-    in an earlier sub-chunk j, the reference is the start of sub-chunk i: the query carries the
-    decay from there to t, the key the decay from s to there (both exponents <= 0), and the
-    scores of all earlier keys are one batched matmul per sub-chunk. Within a sub-chunk the
-    factors would not be bounded, so the diagonal sub-blocks are summed directly.
+    Returns ``(A, Q * exp(b), K * exp(B - b), exp(B))``: the scores
+    ``A_ts = sum_c q_tc k_sc exp(sum_{s<r<=t} g_rc)`` for ``s <= t`` (0 above the diagonal),
+    ``(..., n, C, C)``, and the factors that carry the state across chunks (module docstring).
+    The chunk length C is a power of two.
+
+    The scores are built bottom-up over blocks of ``2h`` tokens, ``h = 1, 2, 4, ..., C/2``: in
+    each block the queries of its lower half (t) meet the keys of its upper half (s) through the
+    end of the upper half, ``exp(sum_{s<r<=t} g_r)`` being ``exp(sum from the start of t's half
+    to t)`` times ``exp(sum after s to the end of s's half)``, both <= 1. So the lower-left
+    ``h x h`` quadrant of every block is one batched matmul of decayed queries and keys, and the
+    two diagonal quadrants are the previous level's blocks. The factors of level 2h are those
+    of level h times one factor of a whole half: every factor is a product of per-token factors
+    ``exp(g_r)`` <= 1 (no overflow; one that underflows stands for a smaller true value), never
+    the exponential of a difference of long sums. Each level costs ``O(d)`` products per token
+    and a batched matmul; after the last one the factors span the chunk: ``exp(b)``,
+    ``exp(B - b)`` and ``exp(B)``.
     """
-    *lead, n, chunk, d_phi = Q.shape
-    sub = min(chunk, SUB_CHUNK)
-    m = chunk // sub
-    g_lead = G.shape[:-3]
-    width = G.shape[-1]
-    Gs = xp.reshape(G, (*g_lead, n, m, sub, width))
-    Qs = xp.reshape(Q, (*lead, n, m, sub, d_phi))
-    Ks = xp.reshape(K, (*lead, n, m, sub, d_phi))
-    # Diagonal sub-blocks: (..., n, m, d, c(t), c(s)) decays, each a sum of its own terms,
-    # computed for every sub-chunk and channel by one 2-D matmul with a constant 0/1 matrix
-    # (``segment_sum_matrix``): a GEMM instead of a cumulative sum over a middle axis.
-    rows = xp.reshape(xp.matrix_transpose(Gs), (-1, sub))  # (... * n * m * w, c)
-    segments = xp.matmul(rows, masks.segments)
-    within = xp.exp(xp.reshape(segments, (*g_lead, n, m, width, sub, sub)))
-    Qt, Kt = xp.matrix_transpose(Qs), xp.matrix_transpose(Ks)  # (..., n, m, d, c)
-    diagonal = xp.sum(within * Kt[..., :, None, :] * Qt[..., :, :, None], axis=-3)
-    diagonal = xp.where(masks.sub_causal, diagonal, 0.0)  # (..., n, m, c, c)
-    if m == 1:
-        return xp.reshape(diagonal, (*lead, n, chunk, chunk))
-    # Off-diagonal: key s in sub-chunk j < i carries sum_{s<r<i*c} g_r = (rest of j) + (whole
-    # sub-chunks strictly between j and i).
-    rest = _sum_after(xp, Gs)  # (..., n, m(j), c, w)
-    totals = xp.sum(Gs, axis=-2)  # (..., n, m, w)
-    between = xp.where(
-        masks.earlier[:, :, None],  # m > j
-        totals[..., :, None, :],
-        0.0,
-    )  # (..., n, m(m), m(j), w)
-    between = cumulative_sum(xp, between, axis=-3, include_initial=True)[..., :-1, :, :]
-    # between[i, j] = sum_{j < m' < i} totals_m' for j < i (0 otherwise)
-    earlier = masks.earlier[:, :, None, None]  # j < i
-    exponent = xp.where(earlier, between[..., :, :, None, :] + rest[..., None, :, :, :], 0.0)
-    keys = xp.where(earlier, Ks[..., None, :, :, :] * xp.exp(exponent), 0.0)
-    keys = xp.reshape(keys, (*lead, n, m, chunk, d_phi))  # (..., n, m(i), C(s), d)
-    queries = Qs * xp.exp(cumulative_sum(xp, Gs, axis=-2))  # decay from the sub-chunk start
-    off = xp.matmul(queries, xp.matrix_transpose(keys))  # (..., n, m, c, C)
-    # Place the diagonal sub-blocks: block (i, i) of the (m, c, m, c) layout.
-    same = masks.same[:, None, :, None]
-    off = xp.reshape(off, (*lead, n, m, sub, m, sub))
-    scores = xp.where(same, diagonal[..., :, :, None, :], off)
-    return xp.reshape(scores, (*lead, n, chunk, chunk))
+    *lead, n, chunk, _ = Q.shape
+    scores = xp.sum(Q * K, axis=-1)[..., None, None]  # (..., n, C, 1, 1): s = t, undecayed
+    whole = xp.exp(G)  # (..., n, C / h, w): the decay over each stretch of h tokens
+    queries = Q * whole  # q_t decayed from the start of its stretch to t (inclusive)
+    keys = K  # k_s decayed from s (exclusive) to the end of its stretch
+    h = 1
+    while h < chunk:
+        pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
+        upper, lower = unstack(xp, xp.reshape(scores, (*lead, n, pairs, 2, h, h)), axis=-3)
+        upper_q, lower_q = unstack(xp, _halves(xp, queries, pairs), axis=-3)
+        upper_k, lower_k = unstack(xp, _halves(xp, keys, pairs), axis=-3)
+        if h == 1:  # 1 x 1 corners: a tiny batched matmul's backward costs 6x this
+            corner = xp.sum(lower_q * upper_k, axis=-1)[..., None]
+        else:
+            corner = xp.matmul(lower_q, xp.matrix_transpose(upper_k))  # t lower, s upper
+        top = xp.concat([upper, xp.zeros_like(upper)], axis=-1)
+        scores = xp.concat([top, xp.concat([corner, lower], axis=-1)], axis=-2)
+        # Stretches of 2h: a query in the second half also crosses the whole first half, a key
+        # in the first half the whole second half; the other halves are unchanged (not
+        # multiplied by ones: autograd keeps only the halves it multiplies).
+        *g_lead, _, width = whole.shape
+        first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
+        queries = _join(xp, xp.stack([upper_q, lower_q * first], axis=-3))
+        keys = _join(xp, xp.stack([upper_k * second, lower_k], axis=-3))
+        whole = first[..., 0, :] * second[..., 0, :]
+        h *= 2
+    return xp.reshape(scores, (*lead, n, chunk, chunk)), queries, keys, whole
+
+
+def _halves(xp: Any, x: Any, pairs: int) -> Any:
+    """``(..., C, w)`` as ``(..., pairs, 2, C / (2 pairs), w)``: the two halves of each block."""
+    *lead, length, width = x.shape
+    return xp.reshape(x, (*lead, pairs, 2, length // (2 * pairs), width))
+
+
+def _join(xp: Any, x: Any) -> Any:
+    """The inverse of :func:`_halves`."""
+    *lead, pairs, _, half, width = x.shape
+    return xp.reshape(x, (*lead, 2 * pairs * half, width))
 
 
 def _prefix(

@@ -56,7 +56,7 @@ def inputs(rng, T, lead=(B, H)):
     return [rng.standard_normal((*lead, T, d)) for d in (D_K, D_K, D_V)]
 
 
-# (T, chunk_size): several chunks with a partial last one; per-channel chunks of 2 sub-chunks.
+# (T, chunk_size): several chunks with a partial last one (per channel: rounded up to 32).
 SHAPES = {"float": (29, 8), "head": (29, 8), "token": (29, 8), "channel": (45, 24)}
 
 
@@ -252,6 +252,84 @@ def test_strong_decay_long_sequence(backend, dtype, kind):
     assert np.isfinite(got).all()
     atol = {"float32": 2e-5, "bfloat16": 1.6e-2}[dtype] * np.abs(v).max()
     np.testing.assert_allclose(got, expected, rtol=0, atol=atol)
+
+
+def channel_gate_reference(q, k, g):
+    """Float64, entry by entry: ``A_ts = sum_c q_tc k_sc exp(sum_{s<r<=t} g_rc)`` (s <= t),
+    ``q * exp(b)``, ``k * exp(B - b)`` and ``exp(B)`` over one chunk (axis -2)."""
+    C = q.shape[-2]
+    A = np.zeros((*np.broadcast_shapes(q.shape[:-2], g.shape[:-2]), C, C))
+    for t in range(C):
+        for s in range(t + 1):
+            span = np.exp(np.sum(g[..., s + 1 : t + 1, :], axis=-2))
+            A[..., t, s] = np.sum(q[..., t, :] * k[..., s, :] * span, axis=-1)
+    before = np.stack([np.sum(g[..., : t + 1, :], axis=-2) for t in range(C)], axis=-2)
+    after = np.stack([np.sum(g[..., s + 1 :, :], axis=-2) for s in range(C)], axis=-2)
+    whole = np.exp(np.sum(g, axis=-2, keepdims=True))
+    return A, q * np.exp(before), k * np.exp(after), whole
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 8, 32])
+@pytest.mark.parametrize("decay_lead", [(2, 3), (3,)], ids=["full", "broadcast"])
+def test_channel_gate_blocks(backend, chunk, decay_lead, rng):
+    """The per-channel intra-chunk scores, built level by level from blocks of 2, 4, ... tokens,
+    and the factors they leave (queries decayed from the chunk start, keys to the chunk end,
+    the whole chunk's decay) against the entry-by-entry float64 sums."""
+    from polylin._chunked import _channel_gate
+    from polylin._policy import array_namespace
+
+    q, k = rng.standard_normal((2, 2, 3, chunk, 4))
+    g = -rng.uniform(0, 3, (*decay_lead, chunk, 4))
+    x = [backend.from_numpy(a) for a in (q, k, g)]
+    got = call(backend, lambda *xs: _channel_gate(array_namespace(xs[0]), *xs), *x)
+    for name, a, b in zip(
+        ("scores", "queries", "keys", "decay"), got, channel_gate_reference(q, k, g)
+    ):
+        np.testing.assert_allclose(backend.to_numpy(a), b, rtol=1e-12, atol=1e-14, err_msg=name)
+
+
+@pytest.mark.only_backend(Backend.NUMPY, Backend.TORCH, Backend.JAX)
+def test_channel_gate_blocks_strong_decay_float32(backend, rng):
+    """Float32, log decays from 0 down to -30 per token and -1e4 (every factor underflows):
+    each score keeps float32's relative accuracy, nothing overflows, an underflow is a 0."""
+    from polylin._chunked import _channel_gate
+    from polylin._policy import array_namespace
+
+    q, k = (rounded(rng.standard_normal((2, 64, 8)), "float32") for _ in range(2))
+    g = -30.0 * rng.uniform(0, 1, (2, 64, 8)) ** 4
+    g[:, 20:40] = 0.0
+    g[:, 50:54] = -30.0
+    g[:, 60] = -1e4
+    g = rounded(g, "float32")
+    x = [backend.from_numpy(a, "float32") for a in (q, k, g)]
+    got = call(backend, lambda *xs: _channel_gate(array_namespace(xs[0]), *xs), *x)
+    for name, a, b in zip(
+        ("scores", "queries", "keys", "decay"), got, channel_gate_reference(q, k, g)
+    ):
+        a = backend.to_numpy(a).astype(np.float64)
+        assert np.isfinite(a).all(), name
+        # per entry: a few float32 roundings of sums of |q_c k_c| times factors <= 1
+        scale = (
+            channel_gate_reference(np.abs(q), np.abs(k), g)[0] if name == "scores" else np.abs(b)
+        )
+        assert np.all(np.abs(a - b) <= 2e-6 * scale + 1e-30), name
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 100])
+def test_channel_gate_any_chunk_size(backend, chunk_size, rng):
+    """The chunk is rounded up to a power of two for a per-channel gate: any chunk_size gives
+    the same result."""
+    q, k, v = inputs(rng, 45)
+    g = decay_of("channel", rng, 45)
+    expected, _, _ = decayed_loop(elu_plus_one(q), elu_plus_one(k), v, g, normalize=False)
+    out = call(
+        backend,
+        lambda q, k, v, g: causal_linear_attention(
+            q, k, v, log_decay=g, chunk_size=chunk_size, normalize=False
+        ),
+        *(backend.from_numpy(x) for x in (q, k, v, g)),
+    )
+    np.testing.assert_allclose(backend.to_numpy(out), expected, rtol=1e-9, atol=1e-10)
 
 
 def naive_selective_scan(C, B_, x, dt, A):
