@@ -8,6 +8,7 @@ its own step)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ._policy import unstack
@@ -67,6 +68,7 @@ def causal_recurrent(
     if T == 0:
         return v[..., :0, :], S, z
     tokens = [unstack(xp, x, axis=-2) for x in (fq, fk, v)]
+    decays: Sequence[Any | None]
     if log_decay is None:
         decays = [None] * T
     elif log_decay.shape[-2] == 1:
