@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -62,17 +63,30 @@ def polylin_torch_elu(q, k, v):
     return causal_linear_attention(q, k, v, lambda x: F.elu(x) + 1)
 
 
-def interleaved(candidates: dict, repeats: int) -> dict:
-    """Minimum seconds of each candidate, measured in turn ``repeats`` times after a warm-up."""
+def interleaved(candidates: dict, repeats: int, user: dict | None = None) -> dict:
+    """Minimum seconds of each candidate, measured in turn ``repeats`` times after a warm-up.
+
+    ``user``, if given, receives each candidate's minimum user CPU time: it leaves out the page
+    faults of freshly mapped memory (system time), which depend on what the allocator kept from
+    the calls before, not on the candidate (glibc maps arrays of 32 MiB and more afresh).
+    """
     for f in candidates.values():
         f()
     best = dict.fromkeys(candidates, float("inf"))
+    if user is not None:
+        user.update(dict.fromkeys(candidates, float("inf")))
     for _ in range(repeats):
         for name, f in candidates.items():
-            start = time.perf_counter()
+            start, start_user = time.perf_counter(), _user_seconds()
             f()
             best[name] = min(best[name], time.perf_counter() - start)
+            if user is not None:
+                user[name] = min(user[name], _user_seconds() - start_user)
     return best
+
+
+def _user_seconds() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_utime
 
 
 def torch_training(lengths, dims, repeats):
@@ -101,6 +115,7 @@ def torch_training(lengths, dims, repeats):
 
                 return run
 
+            user: dict = {}
             t = interleaved(
                 {
                     "polylin_fwd_bwd": fwd_bwd(causal_linear_attention),
@@ -110,8 +125,10 @@ def torch_training(lengths, dims, repeats):
                     "plain_fwd": fwd(plain_chunked_torch),
                 },
                 repeats if T <= 16384 else 1,
+                user,
             )
             row = {"T": T, "d": d, **{k: round(s * 1e3, 2) for k, s in t.items()}}
+            row["user_fwd_bwd"] = {k: round(user[k] * 1e3, 2) for k in t if "fwd_bwd" in k}
             row["fwd_bwd_ratio"] = round(t["polylin_fwd_bwd"] / t["plain_fwd_bwd"], 3)
             row["fwd_bwd_ratio_torch_elu"] = round(
                 t["polylin_torch_elu_fwd_bwd"] / t["plain_fwd_bwd"], 3
@@ -119,7 +136,21 @@ def torch_training(lengths, dims, repeats):
             row["fwd_ratio"] = round(t["polylin_fwd"] / t["plain_fwd"], 3)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    return rows
+    growth = _growth(rows, dims[0])
+    print(json.dumps(growth), flush=True)
+    return [*rows, growth]
+
+
+def _growth(rows: list, d: int) -> dict:
+    """time(16k) / time(4k) of each forward+backward, wall and user CPU time."""
+    at = {row["T"]: row for row in rows if row["d"] == d}
+    growth: dict = {"d": d}
+    for name in ("polylin", "polylin_torch_elu", "plain"):
+        key = f"{name}_fwd_bwd"
+        growth[f"{name}_16k_over_4k"] = round(at[16384][key] / at[4096][key], 2)
+        user = at[16384]["user_fwd_bwd"][key] / at[4096]["user_fwd_bwd"][key]
+        growth[f"{name}_16k_over_4k_user"] = round(user, 2)
+    return growth
 
 
 def _memory_child(candidate: str, T: int) -> None:
@@ -225,7 +256,7 @@ def decay(repeats, lengths=(4096, 16384)):
     t = interleaved({f"chunked_{n}": fwd("chunked", g) for n, g in gates.items()}, repeats)
     rec = interleaved({f"recurrent_{n}": fwd("recurrent", g) for n, g in gates.items()}, 1)
     forward = {"T": T, **{k: round(s * 1e3, 2) for k, s in {**t, **rec}.items()}}
-    for n in ("scalar", "channel"):
+    for n in ("none", "scalar", "channel"):  # "none": the bound a decayed form cannot pass
         forward[f"{n}_over_none"] = round(t[f"chunked_{n}"] / t["chunked_none"], 3)
         forward[f"recurrent_over_chunked_{n}"] = round(rec[f"recurrent_{n}"] / t[f"chunked_{n}"], 1)
     print(json.dumps(forward), flush=True)
@@ -244,18 +275,21 @@ def decay(repeats, lengths=(4096, 16384)):
 
             return run
 
+        user: dict = {}
         t = interleaved(
             {"none": fwd_bwd(None), "scalar": fwd_bwd(g_scalar), "channel": fwd_bwd(g_channel)},
             max(1, repeats // 2),
+            user,
         )
         row = {"T": T, **{f"fwd_bwd_{k}": round(s * 1e3, 2) for k, s in t.items()}}
+        row.update({f"user_fwd_bwd_{k}": round(s * 1e3, 2) for k, s in user.items()})
         print(json.dumps(row), flush=True)
         training.append(row)
     if len(training) == 2:
-        growth = {
-            f"{n}_16k_over_4k": round(training[1][f"fwd_bwd_{n}"] / training[0][f"fwd_bwd_{n}"], 2)
-            for n in ("none", "scalar", "channel")
-        }
+        growth = {}
+        for n in ("none", "scalar", "channel"):
+            for clock, key in (("", f"fwd_bwd_{n}"), ("_user", f"user_fwd_bwd_{n}")):
+                growth[f"{n}_16k_over_4k{clock}"] = round(training[1][key] / training[0][key], 2)
         print(json.dumps(growth), flush=True)
         training.append(growth)
     return {"forward": forward, "training": training}
