@@ -12,7 +12,9 @@ Sections: ``torch`` (PyTorch CPU forward+backward vs a plain chunked form, T = 1
 without --quick), d = 64 and 128), ``memory`` (peak resident memory of forward+backward at
 T = 65536, one head, d = 64, each candidate in a fresh process), ``jax`` (``jit(grad)`` vs the
 forward at T = 16384), ``decay`` (scalar and per-channel decay vs the undecayed chunked forward
-and vs the recurrent form at T = 4096, forward+backward with decay at 4k and 16k).
+and vs the recurrent form at T = 4096, forward+backward with decay at 4k and 16k), ``peers``
+(forward+backward beside fast-transformers' compiled causal product and flash-linear-attention's
+chunk reference at T = 4k and 16k, where they are installed; not run by default).
 """
 
 from __future__ import annotations
@@ -208,6 +210,91 @@ def peak_memory(T=65536):
     return out
 
 
+def fast_transformers_causal(q, k, v, eps=1e-6):
+    """fast-transformers' ``CausalLinearAttention`` on ``(b, T, d)``: ``elu + 1``, its compiled
+    causal product (a C++ kernel with its own backward) and its normalizer."""
+    import torch.nn.functional as F
+    from fast_transformers.causal_product import causal_dot_product
+
+    Q, K = F.elu(q) + 1, F.elu(k) + 1
+    numerator = causal_dot_product(Q[:, None], K[:, None], v[:, None])[:, 0]  # (N, H, L, D)
+    return numerator / ((Q * K.cumsum(1)).sum(-1, keepdim=True) + eps)
+
+
+def _fla_naive():
+    """flash-linear-attention's chunk reference, ``fla/ops/linear_attn/naive.py``, loaded from its
+    file: the package itself imports Triton, which has no CPU build here."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("fla (pip install fla-core) is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "ops" / "linear_attn" / "naive.py"
+    module_spec = importlib.util.spec_from_file_location("fla_linear_attn_naive", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.naive_chunk_linear_attn
+
+
+def fla_chunk_reference(q, k, v):
+    """fla's ``naive_chunk_linear_attn`` (autograd, chunk 64) on ``(b, T, d)`` with ``elu + 1``
+    and its normalizer, in its ``(B, T, H, D)`` layout."""
+    import torch.nn.functional as F
+
+    Q, K = F.elu(q) + 1, F.elu(k) + 1
+    out = _fla_naive()(Q[:, :, None], K[:, :, None], v[:, :, None], scale=1.0, normalize=True)
+    return out[:, :, 0]
+
+
+def peers(lengths, repeats):
+    """Forward+backward of polylin beside fast-transformers and fla's chunk reference, where
+    installed (issue 12's table); each is first checked against polylin's output."""
+    import torch
+
+    from polylin import causal_linear_attention
+
+    candidates = {"polylin": causal_linear_attention, "plain": plain_chunked_torch}
+    skipped = {}
+    for name, fn in (("fast_transformers", fast_transformers_causal), ("fla", fla_chunk_reference)):
+        try:
+            small = [torch.randn(2, 128, 16) for _ in range(3)]  # fast-transformers: float32
+            expected = causal_linear_attention(*small)
+            error = (fn(*small) - expected).abs().max().item()
+        except ImportError as exc:
+            skipped[name] = str(exc)
+            continue
+        if error > 1e-4:  # float32 round-off (outputs are of order 1)
+            raise AssertionError(f"{name} differs from polylin by {error}")
+        candidates[name] = fn
+    rows: list = [{"skipped": skipped}] if skipped else []
+    if skipped:
+        print(json.dumps(rows[0]), flush=True)
+    for T in lengths:
+        torch.manual_seed(0)
+        xs = [torch.randn(BATCH_HEADS, T, 64, requires_grad=True) for _ in range(3)]
+
+        def fwd_bwd(fn, xs=xs):
+            def run():
+                fn(*xs).sum().backward()
+                for x in xs:
+                    x.grad = None
+
+            return run
+
+        t = interleaved({n: fwd_bwd(fn) for n, fn in candidates.items()}, repeats)
+        row = {"T": T, **{f"{n}_fwd_bwd": round(s * 1e3, 2) for n, s in t.items()}}
+        row.update(
+            {
+                f"polylin_over_{n}": round(t["polylin"] / s, 3)
+                for n, s in t.items()
+                if n != "polylin"
+            }
+        )
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def jax_grad(T, repeats):
     import jax
     import numpy as np
@@ -331,6 +418,8 @@ def main() -> None:
         results["jax"] = jax_grad(16384, repeats)
     if "decay" in args.only:
         results["decay"] = decay(repeats)
+    if "peers" in args.only:
+        results["peers"] = peers([4096, 16384], repeats)
     results["machine"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
