@@ -107,6 +107,13 @@ def delta(q, k, v, beta=None, **options):
     return delta_rule_attention(q, k, v, beta, **options)
 
 
+def run_delta(backend, inputs, **options):
+    """:func:`delta` on ``backend`` from the NumPy ``(q, k, v, beta, log_decay)`` of
+    ``make_inputs``."""
+    q, k, v, beta, log_decay = inputs
+    return run(backend, delta, q, k, v, beta=beta, log_decay=log_decay, **options)
+
+
 def close(backend, got, want, atol=ATOL64):
     np.testing.assert_allclose(backend.to_numpy(got), want, atol=atol, rtol=0)
 
@@ -166,25 +173,9 @@ def test_split_and_resume(backend, rng, monkeypatch, first, second):
     head = [x[..., :cut, :] for x in (q, k, v, beta, log_decay)]
     tail = [x[..., cut:, :] for x in (q, k, v, beta, log_decay)]
     options = {"chunk_size": CHUNK, "return_state": True}
-    out1, S1 = run(
-        backend,
-        delta,
-        *head[:3],
-        beta=head[3],
-        log_decay=head[4],
-        initial_state=S0,
-        method=first,
-        **options,
-    )
-    out2, S2 = run(
-        backend,
-        delta,
-        *tail[:3],
-        beta=tail[3],
-        log_decay=tail[4],
-        initial_state=backend.to_numpy(S1),
-        method=second,
-        **options,
+    out1, S1 = run_delta(backend, head, initial_state=S0, method=first, **options)
+    out2, S2 = run_delta(
+        backend, tail, initial_state=backend.to_numpy(S1), method=second, **options
     )
     close(backend, out1, want[..., :cut, :])
     close(backend, out2, want[..., cut:, :])
@@ -195,15 +186,8 @@ def test_step_continues_a_chunked_prefill(backend, rng):
     q, k, v, beta, log_decay = make_inputs(rng)
     want, want_state = reference(q, k, v, beta, log_decay)
     prefill = T - 3
-    out, S = run(
-        backend,
-        delta,
-        *(x[..., :prefill, :] for x in (q, k, v)),
-        beta=beta[..., :prefill, :],
-        log_decay=log_decay[..., :prefill, :],
-        chunk_size=CHUNK,
-        return_state=True,
-    )
+    head = [x[..., :prefill, :] for x in (q, k, v, beta, log_decay)]
+    out, S = run_delta(backend, head, chunk_size=CHUNK, return_state=True)
     close(backend, out, want[..., :prefill, :])
     step = delta_rule_step
     if is_jax(backend):
@@ -238,12 +222,9 @@ def test_padding(backend, rng, method):
     want, want_state = reference(q, k, v, beta, log_decay, mask=mask)
     padded = [np.where(mask[..., None], x, np.nan) for x in (q, k, v, beta, log_decay)]
     inputs = [x.copy() for x in padded]
-    out, state = run(
+    out, state = run_delta(
         backend,
-        delta,
-        *padded[:3],
-        beta=padded[3],
-        log_decay=padded[4],
+        padded,
         attention_mask=mask,
         method=method,
         chunk_size=CHUNK,
@@ -277,14 +258,9 @@ def test_cu_seqlens(backend, rng, method):
     q, k, v, beta, log_decay = make_inputs(rng, lead=(2,), length=T)
     n = len(offsets) - 1
     S0 = rng.standard_normal((2, n, D_K, D_V))
-    out, state = run(
+    out, state = run_delta(
         backend,
-        delta,
-        q,
-        k,
-        v,
-        beta=beta,
-        log_decay=log_decay,
+        (q, k, v, beta, log_decay),
         initial_state=S0,
         cu_seqlens=offsets,
         method=method,
@@ -574,8 +550,8 @@ def test_seq_axis(backend, rng, method):
     S0 = rng.standard_normal((B, H, D_K, D_V))
     want, want_state = reference(q, k, v, beta, log_decay, state=S0, mask=mask[:, None, :])
     bthd = [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in (q, k, v, beta, log_decay)]
-    out, state = run(
-        backend, delta, *bthd[:3], beta=bthd[3], log_decay=bthd[4], initial_state=S0,
+    out, state = run_delta(
+        backend, bthd, initial_state=S0,
         attention_mask=mask, seq_axis=1, method=method, chunk_size=CHUNK, return_state=True,
     )  # fmt: skip
     assert tuple(out.shape) == (B, T, H, D_V)
