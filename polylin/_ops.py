@@ -6,7 +6,67 @@ from typing import Any
 
 from ._policy import device, unstack
 
-__all__ = ["causal_mask", "pad_rows", "split_rows"]
+__all__ = [
+    "broadcast_shape",
+    "causal_mask",
+    "concat_leading",
+    "pad_rows",
+    "split_rows",
+    "stack_leading",
+    "widens",
+]
+
+
+def broadcast_shape(*shapes: tuple) -> tuple:
+    """The broadcast shape of ``shapes`` (aligned from the right, a size of 1 stretches).
+
+    A ``ValueError`` saying which axis does not broadcast otherwise. Only shapes are combined:
+    grouped heads (``q, k`` of ``(B, H, 1, T, d)`` against ``v`` of ``(B, H, G, T, d)``) are
+    never copied per group.
+    """
+    rank = max((len(s) for s in shapes), default=0)
+    result: list[int] = []
+    for axis in range(-rank, 0):
+        sizes = {s[axis] for s in shapes if len(s) >= -axis} - {1}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"axis {axis} has sizes {sorted(sizes)}; each must equal the others or be 1"
+            )
+        result.append(sizes.pop() if sizes else 1)
+    return tuple(result)
+
+
+def widens(x: Any, y: Any) -> bool:
+    """Whether ``x * y`` would be larger than ``x`` (``y`` broadcasts ``x``'s leading axes):
+    a gate of grouped heads times a query shared by the group would copy it per group."""
+    return broadcast_shape(tuple(x.shape), tuple(y.shape)) != tuple(x.shape)
+
+
+def concat_leading(xp: Any, arrays: list[Any], axis: int) -> Any:
+    """``concat`` along ``axis`` (negative) of arrays whose other axes broadcast.
+
+    The sum of the keys of a grouped call has the keys' leading dimensions while the state
+    increments have the broadcast ones; the smaller operand is broadcast (a view) into the
+    result, which ``concat`` writes anyway. Arrays of one shape but on ``axis`` go straight in.
+    """
+    others = [x.shape[:axis] + x.shape[axis % x.ndim + 1 :] for x in arrays]
+    if all(o == others[0] for o in others):
+        return xp.concat(arrays, axis=axis)
+    shape = broadcast_shape(*others)
+    cut = len(shape) + axis + 1  # where the concatenated axis goes back in
+    return xp.concat(
+        [xp.broadcast_to(x, (*shape[:cut], x.shape[axis], *shape[cut:])) for x in arrays],
+        axis=axis,
+    )
+
+
+def stack_leading(xp: Any, arrays: list[Any], axis: int) -> Any:
+    """``stack`` of arrays whose shapes broadcast (to the broadcast shape)."""
+    shapes = [tuple(x.shape) for x in arrays]
+    if any(s != shapes[0] for s in shapes):
+        shape = broadcast_shape(*shapes)
+        arrays = [xp.broadcast_to(x, shape) for x in arrays]
+    return xp.stack(arrays, axis=axis)
 
 
 def causal_mask(xp: Any, rows: int, cols: int, dev: Any, *, strict: bool = False) -> Any:
