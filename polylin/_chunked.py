@@ -51,7 +51,15 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ._ops import causal_mask, concat_leading, pad_rows, split_rows, stack_leading, widens
+from ._ops import (
+    causal_mask,
+    concat_leading,
+    matmul,
+    pad_rows,
+    split_rows,
+    stack_leading,
+    widens,
+)
 from ._policy import cumulative_sum, device, eager_cpu, unstack
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
@@ -165,8 +173,8 @@ def _block(
     Q, K, V = (xp.reshape(x, (*x.shape[:-2], n_chunks, chunk, x.shape[-1])) for x in (fq, fk, v))
     if log_decay is None:
         states, new_state = _prefix(xp, _increments(xp, K, V), None, state, chained=chained)
-        scores = xp.where(causal, xp.matmul(Q, xp.matrix_transpose(K)), 0.0)
-        out = xp.matmul(Q, states) + _attend(xp, scores, V)
+        scores = xp.where(causal, matmul(xp, Q, xp.matrix_transpose(K)), 0.0)
+        out = matmul(xp, Q, states) + _attend(xp, scores, V)
     else:
         lead, width = log_decay.shape[:-2], log_decay.shape[-1]
         G = xp.reshape(log_decay, (*lead, n_chunks, chunk, width))
@@ -186,16 +194,16 @@ def _block(
                 increments = _increments(xp, K * xp.exp(after), V)
             states, new_state = _prefix(xp, increments, decay, state, chained=chained)
             if widens(Q, before):
-                from_state = xp.matmul(Q, states) * xp.exp(before)
+                from_state = matmul(xp, Q, states) * xp.exp(before)
             else:
-                from_state = xp.matmul(Q * xp.exp(before), states)
+                from_state = matmul(xp, Q * xp.exp(before), states)
             out = from_state + _attend(xp, scores, V)
         else:
             scores, queries, keys, chunk_decay = _channel_gate(xp, Q, K, G)
             decay = xp.matrix_transpose(chunk_decay)  # (..., n, d_phi, 1): scales state rows
             increments = _increments(xp, keys, V)
             states, new_state = _prefix(xp, increments, decay, state, chained=chained)
-            out = xp.matmul(queries, states) + _attend(xp, scores, V)
+            out = matmul(xp, queries, states) + _attend(xp, scores, V)
     out = xp.reshape(out, (*out.shape[:-3], padded, d_v + 1))
     if padded != length:
         out = out[..., :length, :]
@@ -214,15 +222,15 @@ def _increments(xp: Any, K: Any, V: Any, *, weights: Any | None = None) -> Any:
     """
     Kt = xp.matrix_transpose(K)
     if weights is None:
-        parts = [xp.matmul(Kt, V), xp.sum(K, axis=-2)[..., None]]
+        parts = [matmul(xp, Kt, V), xp.sum(K, axis=-2)[..., None]]
     else:
-        parts = [xp.matmul(Kt, V * weights), xp.matmul(Kt, weights)]
+        parts = [matmul(xp, Kt, V * weights), matmul(xp, Kt, weights)]
     return concat_leading(xp, parts, axis=-1)
 
 
 def _attend(xp: Any, scores: Any, V: Any) -> Any:
     """``scores @ [V, 1]``: the intra-chunk outputs and their normalizer column."""
-    parts = [xp.matmul(scores, V), xp.sum(scores, axis=-1, keepdims=True)]
+    parts = [matmul(xp, scores, V), xp.sum(scores, axis=-1, keepdims=True)]
     return concat_leading(xp, parts, axis=-1)
 
 
@@ -253,7 +261,7 @@ def _segment_sums(xp: Any, G: Any, axis: int) -> Any:
 def _scalar_gate_scores(xp: Any, Q: Any, K: Any, G: Any, causal: Any) -> Any:
     """``where(s <= t, (q_t . k_s) exp(sum_{s<r<=t} g_r), 0)`` for a scalar gate per token."""
     decay = xp.exp(_segment_sums(xp, G[..., 0], axis=-1))  # (..., n, C, C), in (0, 1]
-    return xp.where(causal, xp.matmul(Q, xp.matrix_transpose(K)) * decay, 0.0)
+    return xp.where(causal, matmul(xp, Q, xp.matrix_transpose(K)) * decay, 0.0)
 
 
 def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
@@ -291,7 +299,7 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
         if h == 1:  # 1 x 1 corners: a tiny batched matmul's backward costs 6x this
             corner = xp.sum(lower_q * upper_k, axis=-1)[..., None]
         else:
-            corner = xp.matmul(lower_q, xp.matrix_transpose(upper_k))  # t lower, s upper
+            corner = matmul(xp, lower_q, xp.matrix_transpose(upper_k))  # t lower, s upper
         top = xp.concat([upper, xp.zeros_like(upper)], axis=-1)
         scores = concat_leading(xp, [top, concat_leading(xp, [corner, lower], axis=-1)], axis=-2)
         # Stretches of 2h: a query in the second half also crosses the whole first half, a key

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._ops import causal_mask, widens
+from ._ops import causal_mask, matmul, widens
 from ._policy import cumulative_sum, device
 
 __all__ = ["quadratic"]
@@ -38,7 +38,7 @@ def quadratic(
     """
     T = fk.shape[-2]
     if log_decay is None:
-        scores = xp.matmul(fq, xp.matrix_transpose(fk))
+        scores = matmul(xp, fq, xp.matrix_transpose(fk))
         if causal:
             scores = xp.where(causal_mask(xp, fq.shape[-2], T, device(fq)), scores, 0.0)
         fq_state, fk_state, factor = fq, fk, None
@@ -51,7 +51,7 @@ def quadratic(
         if log_decay.shape[-1] == 1:  # (..., T(t), T(s)) segment sums, then the scores
             terms = xp.where(later, log_decay, 0.0)  # log_decay (..., T(r), 1) broadcast over s
             decay = xp.exp(cumulative_sum(xp, terms, axis=-2))
-            scores = xp.matmul(fq, xp.matrix_transpose(fk)) * decay
+            scores = matmul(xp, fq, xp.matrix_transpose(fk)) * decay
         else:  # (..., T(t), T(s), d_phi): one decay per channel, summed directly
             terms = xp.where(later[:, :, None], log_decay[..., :, None, :], 0.0)
             decay = xp.exp(cumulative_sum(xp, terms, axis=-3))
@@ -68,10 +68,10 @@ def quadratic(
         fk_state, after = (fk, after) if scalar and widens(fk, after) else (fk * after, None)
 
     def read(state: Any) -> Any:  # phi(Q) times the state before the first token, decayed
-        out = xp.matmul(fq_state, state)
+        out = matmul(xp, fq_state, state)
         return out if before is None else out * before
 
-    numerator = xp.matmul(scores, v) + read(S)
+    numerator = matmul(xp, scores, v) + read(S)
     if normalize:
         normalizer = xp.sum(scores, axis=-1, keepdims=True) + read(z[..., None])
         out = numerator / (normalizer + eps)
@@ -82,9 +82,9 @@ def quadratic(
         z = factor * z
     keys = xp.matrix_transpose(fk_state)
     if after is None:
-        S = S + xp.matmul(keys, v)
+        S = S + matmul(xp, keys, v)
         z = z + xp.sum(fk_state, axis=-2)
     else:
-        S = S + xp.matmul(keys, v * after)
-        z = z + xp.matmul(keys, after)[..., 0]
+        S = S + matmul(xp, keys, v * after)
+        z = z + matmul(xp, keys, after)[..., 0]
     return out, S, z

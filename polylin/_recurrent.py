@@ -40,7 +40,10 @@ def recurrent_step(
         z = factor * z
     S = S + fk[..., :, None] * v[..., None, :]
     z = z + fk
-    numerator = xp.matmul(fq[..., None, :], S)[..., 0, :]
+    if fq.shape[:-1] == S.shape[:-2]:
+        numerator = xp.matmul(fq[..., None, :], S)[..., 0, :]
+    else:  # grouped heads: a broadcast matmul would copy fq per group (_ops.matmul)
+        numerator = xp.sum(fq[..., :, None] * S, axis=-2)
     if not normalize:
         return numerator, S, z
     normalizer = xp.sum(fq * z, axis=-1, keepdims=True)
