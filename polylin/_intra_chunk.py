@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ._ops import causal_mask
+from ._ops import broadcast_shape, causal_mask, concat_leading, matmul, stack_leading
 from ._policy import cumulative_sum, device, unstack
 
 __all__ = [
@@ -62,10 +62,7 @@ class IntraChunk(NamedTuple):
 
 def _shape(*arrays: Any) -> tuple[int, ...]:
     """The broadcast shape of the arrays' dimensions before their last (feature) axis."""
-    shapes = [tuple(x.shape[:-1]) for x in arrays]
-    rank = max(len(s) for s in shapes)
-    padded = [(1,) * (rank - len(s)) + s for s in shapes]
-    return tuple(max(sizes) for sizes in zip(*padded))
+    return broadcast_shape(*(tuple(x.shape[:-1]) for x in arrays))
 
 
 def _halves(xp: Any, x: Any, pairs: int) -> Any:
@@ -83,25 +80,14 @@ def _join(xp: Any, x: Any) -> Any:
 def _joined(xp: Any, first: Any, second: Any) -> Any:
     """The halves ``(..., pairs, h, w)`` of each block joined back to ``(..., C, w)``, their
     leading dimensions broadcast (a grouped gate decays one half per group)."""
-    lead = _shape(first[..., 0], second[..., 0])
-    first, second = (
-        x if tuple(x.shape[:-2]) == lead else xp.broadcast_to(x, (*lead, *x.shape[-2:]))
-        for x in (first, second)
-    )
-    return _join(xp, xp.stack([first, second], axis=-3))
+    return _join(xp, stack_leading(xp, [first, second], axis=-3))
 
 
 def _merge(xp: Any, upper: Any, corner: Any, lower: Any, zeros: Any) -> Any:
     """``[[upper, 0], [corner, lower]]`` for blocks ``(..., h, h)`` (leading dimensions
     broadcast: a grouped gate makes the corners per group before the diagonal blocks are)."""
-    lead = _shape(*(x[..., 0] for x in (upper, corner, lower, zeros)))
-    upper, corner, lower, zeros = (
-        x if tuple(x.shape[:-2]) == lead else xp.broadcast_to(x, (*lead, *x.shape[-2:]))
-        for x in (upper, corner, lower, zeros)
-    )
-    return xp.concat(
-        [xp.concat([upper, zeros], axis=-1), xp.concat([corner, lower], axis=-1)], axis=-2
-    )
+    top = concat_leading(xp, [upper, zeros], axis=-1)
+    return concat_leading(xp, [top, concat_leading(xp, [corner, lower], axis=-1)], axis=-2)
 
 
 def merge_inverse(xp: Any, inverse: Any, corner: Any, pairs: int) -> Any:
@@ -114,7 +100,7 @@ def merge_inverse(xp: Any, inverse: Any, corner: Any, pairs: int) -> Any:
     h = inverse.shape[-1]
     T11, T22 = unstack(xp, xp.reshape(inverse, (*inverse.shape[:-3], pairs, 2, h, h)), axis=-3)
     # 1 x 1 blocks are ones: T21 is the corner itself.
-    T21 = corner if h == 1 else xp.matmul(T22, xp.matmul(corner, T11))
+    T21 = corner if h == 1 else matmul(xp, T22, matmul(xp, corner, T11))
     # Fresh zeros: ``zeros_like`` of a strided view copies its strides and slows the concat.
     zeros = xp.zeros(T11.shape, dtype=T11.dtype, device=device(T11))
     return _merge(xp, T11, T21, T22, zeros)
@@ -186,7 +172,7 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]])
             if h == 1:
                 corner = xp.sum(lower_r * upper_k, axis=-1)[..., None]
             else:
-                corner = xp.matmul(lower_r, xp.matrix_transpose(upper_k))  # t lower, s upper
+                corner = matmul(xp, lower_r, xp.matrix_transpose(upper_k))  # t lower, s upper
             if scalar:
                 corner = corner * outer
             M = matrices[i]
@@ -256,4 +242,4 @@ def scalar_gate_scores(xp: Any, R: Any, K: Any, G: Any, mask: Any) -> Any:
     ``s < t`` for a strictly lower matrix).
     """
     decay = xp.exp(segment_sums(xp, G[..., 0], axis=-1))  # (..., C, C), in [0, 1]
-    return xp.where(mask, xp.matmul(R, xp.matrix_transpose(K)) * decay, 0.0)
+    return xp.where(mask, matmul(xp, R, xp.matrix_transpose(K)) * decay, 0.0)
