@@ -27,7 +27,7 @@ def broadcast_shape(*shapes: tuple) -> tuple:
     grouped heads (``q, k`` of ``(B, H, 1, T, d)`` against ``v`` of ``(B, H, G, T, d)``) are
     never copied per group.
     """
-    rank = max((len(s) for s in shapes), default=0)
+    rank = max([0, *(len(s) for s in shapes)])  # no default=: torch.compile cannot trace it
     result: list[int] = []
     for axis in range(-rank, 0):
         sizes = {s[axis] for s in shapes if len(s) >= -axis} - {1}

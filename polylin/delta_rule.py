@@ -7,6 +7,7 @@ old value instead of piling up. See ``docs/delta_rule.md`` for the math and the 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from itertools import pairwise
@@ -59,7 +60,7 @@ def _log_decay(inputs: AttentionInputs, log_decay: Any, shape: tuple, d_k: int) 
     (one gate per key channel) when the array's last axis is ``d_k``."""
     if log_decay is None:
         return None
-    shape_of = getattr(log_decay, "shape", ())
+    shape_of: tuple = tuple(getattr(log_decay, "shape", ()))
     if len(shape_of) >= 1 and shape_of[-1] == d_k != 1:
         shape = (*shape[:-1], d_k)
     g = check_coefficient(inputs, log_decay, shape, name="log_decay", bounds=_LOG_DECAY_BOUNDS)
@@ -246,7 +247,9 @@ def delta_rule_attention(
     g = _log_decay(inputs, log_decay, per_token, d_k)
     if g is not None:
         arrays.append(g)
-    run_options = dict(method=method, chunk_size=chunk_size, scale=scale, qk_l2norm=qk_l2norm)
+    run = functools.partial(
+        _run, method=method, chunk_size=chunk_size, scale=scale, qk_l2norm=qk_l2norm
+    )
     if cu_seqlens is not None:
         if attention_mask is not None:
             raise ValueError("pass attention_mask or cu_seqlens, not both")
@@ -258,7 +261,7 @@ def delta_rule_attention(
         )
         keep = length_mask(xp, offsets, max_len, inputs.device)[..., None]
         packed = [pack(xp, x, offsets, max_len) for x in arrays]
-        out, S = _run(xp, packed, S, keep, **run_options)
+        out, S = run(xp, packed, S, keep)
         out = unpack(xp, out, offsets)
     else:
         S = check_matrix_state(inputs, initial_state, (*batch, d_k, d_v), name="initial_state")
@@ -266,7 +269,7 @@ def delta_rule_attention(
         if attention_mask is not None:
             mask = check_mask(inputs, attention_mask, T, layout)
             keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
-        out, S = _run(xp, arrays, S, keep, **run_options)
+        out, S = run(xp, arrays, S, keep)
     if T == 0 and initial_state is not None:  # never hand back the caller's own array
         S = xp.asarray(S, copy=True)
     out = layout.restore(finish(inputs, out, None))

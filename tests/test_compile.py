@@ -117,7 +117,8 @@ if hasattr(polylin, "delta_rule_attention"):
     EXPLAIN_CASES["delta_rule_attention KDA, grouped, scale, qk_l2norm"] = """
         beta = torch.rand(2, 4, 2, 37, 1)
         g = -torch.rand(2, 4, 2, 37, 8)
-        fn, args = polylin.delta_rule_attention, (q[:, :, None], k[:, :, None], v[:, :, None], beta)
+        v2 = torch.randn(2, 4, 2, 37, 8)
+        fn, args = polylin.delta_rule_attention, (q[:, :, None], k[:, :, None], v2, beta)
         kwargs = dict(log_decay=g, scale=0.5, qk_l2norm=True)
     """
 
