@@ -11,6 +11,7 @@ __all__ = [
     "broadcast_shape",
     "causal_mask",
     "concat_leading",
+    "l2_normalize",
     "matmul",
     "pad_rows",
     "split_rows",
@@ -26,7 +27,7 @@ def broadcast_shape(*shapes: tuple) -> tuple:
     grouped heads (``q, k`` of ``(B, H, 1, T, d)`` against ``v`` of ``(B, H, G, T, d)``) are
     never copied per group.
     """
-    rank = max([0, *(len(s) for s in shapes)])  # no default=: torch.compile refuses it
+    rank = max([0, *(len(s) for s in shapes)])  # no default=: torch.compile cannot trace it
     result: list[int] = []
     for axis in range(-rank, 0):
         sizes = {s[axis] for s in shapes if len(s) >= -axis} - {1}
@@ -145,3 +146,12 @@ def split_rows(xp: Any, x: Any | None, size: int, length: int) -> list[Any]:
     if whole * size != length:
         pieces.append(x[..., whole * size :, :])
     return pieces
+
+
+def l2_normalize(xp: Any, x: Any, /, *, eps: float = 1e-6) -> Any:
+    """``x / sqrt(sum(x^2) + eps)`` over the last axis (flash-linear-attention's ``l2norm``).
+
+    Differentiable everywhere (``eps`` keeps a zero vector's gradient finite); a zero vector
+    stays zero.
+    """
+    return x / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + eps)
