@@ -45,7 +45,9 @@ def state_v_first_alias(kwargs: dict[str, Any], state_v_first: bool) -> bool:
     if "transpose_state_layout" not in kwargs:
         return state_v_first
     if state_v_first:
-        raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        raise ValueError(
+            "Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`."
+        )
     warnings.warn(
         "`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
         DeprecationWarning,
@@ -55,7 +57,10 @@ def state_v_first_alias(kwargs: dict[str, Any], state_v_first: bool) -> bool:
 
 
 def pop_chunk_size(op: str, kwargs: dict[str, Any], allowed: tuple[int, ...] | None) -> int:
-    """fla's ``chunk_size`` keyword (default 64), checked as fla checks it (``None``: a power of 2)."""
+    """fla's ``chunk_size`` keyword (default 64), checked as fla checks it.
+
+    ``allowed=None``: any power of 2.
+    """
     chunk_size = kwargs.pop("chunk_size", None)
     if chunk_size is None:
         return 64
@@ -112,7 +117,9 @@ def offsets_of(cu_seqlens: Any, cu_seqlens_cpu: Any = None) -> list[int] | None:
         return [int(value) for value in values]
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
         return list(source)  # polylin's own check names wrong elements
-    raise TypeError(f"cu_seqlens must be an integer array or a sequence, got {type(source).__name__}")
+    raise TypeError(
+        f"cu_seqlens must be an integer array or a sequence, got {type(source).__name__}"
+    )
 
 
 def default_scale(scale: float | None, d_k: int) -> float:

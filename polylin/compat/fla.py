@@ -237,7 +237,9 @@ def chunk_simple_gla(
     cu_seqlens_cpu: Array | None = None,
     **kwargs: Any,
 ) -> Result:
-    """fla's ``chunk_simple_gla``: ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``.
+    """fla's ``chunk_simple_gla`` (simple GLA: one decay per head and token).
+
+    ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``.
 
     Parameters
     ----------
@@ -486,9 +488,9 @@ def chunk_delta_rule(
     cu_seqlens_cpu: Array | None = None,
     **kwargs: Any,
 ) -> Result:
-    """fla's ``chunk_delta_rule`` (DeltaNet): ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``.
+    """fla's ``chunk_delta_rule`` (DeltaNet).
 
-    ``o_t = scale S_t^T q_t``.
+    ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``, ``o_t = scale S_t^T q_t``.
 
     Parameters
     ----------
@@ -565,7 +567,7 @@ def fused_recurrent_delta_rule(
 
 
 def _reject_gate_options(op: str, kwargs: dict[str, Any], **given: tuple[Any, Any]) -> None:
-    """fla's in-kernel activations (``A_log``, ``dt_bias``, sigmoid of ``beta``) are not supported."""
+    """fla's in-kernel activations (``A_log``, ``dt_bias``, sigmoid of ``beta``): unsupported."""
     use_beta_sigmoid, _ = given.get("use_beta_sigmoid_in_kernel", (False, False))
     allow_neg, _ = given.get("allow_neg_eigval", (False, False))
     if allow_neg and not use_beta_sigmoid:
