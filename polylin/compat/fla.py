@@ -452,7 +452,7 @@ def _delta_family(
             f"polylin.compat.fla.{op}: a per-channel gate (KDA) needs polylin's per-channel "
             "delta rule, not in this version"
         )
-    dtype = common_dtype(xp, q, k, v, beta, g)
+    out_dtype, dtype = q.dtype, common_dtype(xp, q, k, v, beta, g)
     q, k, v, beta, g = (
         xp.astype(x, dtype) if x is not None and x.dtype != dtype else x for x in (q, k, v, beta, g)
     )
@@ -470,7 +470,7 @@ def _delta_family(
         cu_seqlens=offsets,
         seq_axis=heads.seq_axis,
     )
-    o = heads.output(o)
+    o = heads.output(o if o.dtype == out_dtype else xp.astype(o, out_dtype))
     final = heads.state_out(S, v_first=state_v_first) if output_final_state else None
     return o, final
 
