@@ -451,7 +451,7 @@ def test_equals_fla_naive_delta_rules():
 def test_equals_fla_naive_kda():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(37)
-    x = {n: torch.asarray(a) for n, a in make_inputs("kda", rng, 2, 50, 2, 2, 8, 4).items()}
+    x = {n: torch.asarray(a) for n, a in make_inputs("kda", rng, 2, 64, 2, 2, 8, 4).items()}
     naive = fla_naive("kda")
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     want, want_S = naive.naive_recurrent_kda(*args, output_final_state=True)

@@ -442,27 +442,18 @@ def _delta_family(
     offsets = offsets_of(cu_seqlens, cu_seqlens_cpu)
     heads = FlaHeads.of(q, k, v, offsets, initial_state)
     xp = heads.xp
-    if use_qk_l2norm_in_kernel:
-        raise NotImplementedError(
-            f"polylin.compat.fla.{op}: `use_qk_l2norm_in_kernel=True` needs polylin's "
-            "qk_l2norm option of delta_rule_attention, not in this version"
-        )
-    if g is not None and g.ndim == 4:
-        raise NotImplementedError(
-            f"polylin.compat.fla.{op}: a per-channel gate (KDA) needs polylin's per-channel "
-            "delta rule, not in this version"
-        )
     out_dtype, dtype = q.dtype, common_dtype(xp, q, k, v, beta, g)
     q, k, v, beta, g = (
         xp.astype(x, dtype) if x is not None and x.dtype != dtype else x for x in (q, k, v, beta, g)
     )
-    scale = default_scale(scale, k.shape[-1])
     o, S = delta_rule_attention(
-        heads.query_key(q * scale),
+        heads.query_key(q),
         heads.query_key(k),
         heads.per_value_head(v, "v"),
         1.0 if beta is None else heads.per_value_head(beta, "beta"),
         log_decay=heads.per_value_head(g, "g"),
+        scale=default_scale(scale, k.shape[-1]),
+        qk_l2norm=bool(use_qk_l2norm_in_kernel),
         method=method,
         chunk_size=chunk_size,
         initial_state=heads.state_in(initial_state, work_dtype(xp, dtype), v_first=state_v_first),
