@@ -136,34 +136,45 @@ def chunk_linear_attn(
     normalize: bool = True,
     cu_seqlens: Array | None = None,
 ) -> Result:
-    """fla's ``chunk_linear_attn``: ``o_t = scale q_t S_t`` (``/ (scale q_t . z_t + 1e-10)``).
+    """Compute fla's ``chunk_linear_attn``: ``o_t = scale q_t S_t``, normalized by default.
 
-    No feature map (fla applies none); ``S_t = sum_{s<=t} k_s v_s^T``, ``z_t = sum_{s<=t} k_s``.
+    ``S_t = sum_{s<=t} k_s v_s^T`` and, with ``normalize``, ``o_t`` is divided by
+    ``scale q_t . z_t + 1e-10`` with ``z_t = sum_{s<=t} k_s``. fla applies no feature map.
 
     Parameters
     ----------
     q, k : array
-        ``(B, T, H, K)``.
+        Queries and keys, ``(B, T, H, K)``.
     v : array
-        ``(B, T, H, V)``.
+        Values, ``(B, T, H, V)``.
     scale : float, optional
         Multiplies the queries; default ``K ** -0.5``.
     initial_state : array or (array, array), optional
         ``(N, H, K, V)``; with ``normalize`` a tuple ``(kv_state, z_state)``, ``z_state`` of shape
         ``(N, 1, H, K)``.
     output_final_state : bool
-        Return the state after the last token.
+        Return the state after the last token (else ``None``).
     normalize : bool
         Divide by ``scale q_t . z_t + 1e-10``.
     cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``).
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
 
     Returns
     -------
-    (array, state)
-        ``o`` of shape ``(B, T, H, V)`` (the dtype of ``q``) and the final state (``None``
-        unless ``output_final_state``); with ``normalize`` the state is ``(kv_state or None,
-        z_state)``, as in fla.
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or (array, array) or None
+        ``(N, H, K, V)`` if ``output_final_state``; with ``normalize`` the tuple
+        ``(kv_state or None, z_state)``, as fla returns it.
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
 
     Examples
     --------
@@ -192,10 +203,44 @@ def fused_recurrent_linear_attn(
     normalize: bool = False,
     cu_seqlens: Array | None = None,
 ) -> Result:
-    """fla's ``fused_recurrent_linear_attn``: :func:`chunk_linear_attn` token by token.
+    """Compute fla's ``fused_recurrent_linear_attn``: :func:`chunk_linear_attn`, token by token.
 
-    The same arguments (``normalize`` defaults to False here, as in fla); ``reverse=True`` is
-    not supported.
+    ``normalize`` defaults to False here, as in fla.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array or (array, array), optional
+        ``(N, H, K, V)``; with ``normalize`` a tuple ``(kv_state, z_state)``.
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    reverse : bool
+        Scan from the end: not supported (``NotImplementedError`` when True).
+    normalize : bool
+        Divide by ``scale q_t . z_t + 1e-10``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or (array, array) or None
+        As for :func:`chunk_linear_attn`.
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
 
     Examples
     --------
@@ -237,35 +282,52 @@ def chunk_simple_gla(
     cu_seqlens_cpu: Array | None = None,
     **kwargs: Any,
 ) -> Result:
-    """fla's ``chunk_simple_gla`` (simple GLA: one decay per head and token).
+    """Compute fla's ``chunk_simple_gla``: one decay per head and token.
 
     ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``.
 
     Parameters
     ----------
     q, k : array
-        ``(B, T, H, K)``.
+        Queries and keys, ``(B, T, H, K)``.
     v : array
-        ``(B, T, H, V)``.
+        Values, ``(B, T, H, V)``.
     g : array, optional
         Log decay per token and head, ``(B, T, H)``.
     g_gamma : array, optional
-        Log decay per head, ``(H,)`` (instead of ``g``).
+        Log decay per head, ``(H,)``, instead of ``g``.
     scale : float, optional
-        Default ``K ** -0.5``.
+        Multiplies the queries; default ``K ** -0.5``.
     initial_state : array, optional
-        ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``).
-    output_final_state, state_v_first : bool
-        Return the final state; store states value-first.
-    cu_seqlens, cu_seqlens_cpu : array of int, optional
-        Packed sequence offsets (``B == 1``); the host copy is read when given.
+        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
+        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    state_v_first : bool
+        States stored value-first, ``(..., V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
     **kwargs
-        ``chunk_size`` (a power of 2); ``head_first`` raises fla's error.
+        ``chunk_size`` (a power of 2); ``head_first`` raises fla's ``DeprecationWarning``; any other
+        option raises ``NotImplementedError`` naming it.
 
     Returns
     -------
-    (array, array or None)
-        ``o`` ``(B, T, H, V)`` and the final state.
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
 
     Examples
     --------
@@ -303,10 +365,61 @@ def fused_recurrent_simple_gla(
     cu_seqlens: Array | None = None,
     **kwargs: Any,
 ) -> Result:
-    """fla's ``fused_recurrent_simple_gla``: :func:`chunk_simple_gla` token by token.
+    """Compute fla's ``fused_recurrent_simple_gla``: :func:`chunk_simple_gla`, token by token.
 
-    ``reverse=True`` is not supported; ``transpose_state_layout`` is fla's deprecated spelling
-    of ``state_v_first``.
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    g : array, optional
+        Log decay per token and head, ``(B, T, H)``.
+    g_gamma : array, optional
+        Log decay per head, ``(H,)``, instead of ``g``.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
+        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    reverse : bool
+        Scan from the end: not supported (``NotImplementedError`` when True).
+    state_v_first : bool
+        States stored value-first, ``(..., V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    **kwargs
+        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
+        raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_simple_gla, fused_recurrent_simple_gla
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> g = -rng.uniform(0, 1, (1, 8, 2))
+    >>> o, _ = fused_recurrent_simple_gla(q, k, v, g)
+    >>> bool(np.allclose(o, chunk_simple_gla(q, k, v, g)[0]))
+    True
     """
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     reject("fused_recurrent_simple_gla", kwargs, reverse=(reverse, False))
@@ -329,10 +442,47 @@ def chunk_gla(
     cu_seqlens: Array | None = None,
     cu_seqlens_cpu: Array | None = None,
 ) -> Result:
-    """fla's ``chunk_gla``: ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``.
+    """Compute fla's ``chunk_gla`` (gated linear attention): one decay per key channel.
 
-    ``g`` is the log decay per key channel, ``(B, T, H, K)``; the other arguments as in
-    :func:`chunk_simple_gla`.
+    ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    g : array
+        Log decay per token, head and key channel, ``(B, T, H, K)``.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
+        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    state_v_first : bool
+        States stored value-first, ``(..., V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
 
     Examples
     --------
@@ -366,9 +516,60 @@ def fused_recurrent_gla(
     cu_seqlens: Array | None = None,
     **kwargs: Any,
 ) -> Result:
-    """fla's ``fused_recurrent_gla``: :func:`chunk_gla` token by token (key gates ``gk``).
+    """Compute fla's ``fused_recurrent_gla``: :func:`chunk_gla`, token by token.
 
-    Value gates ``gv`` and ``reverse=True`` are not supported.
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    gk : array, optional
+        Log decay per key channel, ``(B, T, H, K)``.
+    gv : array, optional
+        Value gates: not supported (``NotImplementedError``).
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
+        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    reverse : bool
+        Scan from the end: not supported (``NotImplementedError`` when True).
+    state_v_first : bool
+        States stored value-first, ``(..., V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    **kwargs
+        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
+        raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import fused_recurrent_gla
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> gk = -rng.uniform(0, 1, (1, 8, 2, 4))
+    >>> fused_recurrent_gla(q, k, v, gk)[0].shape
+    (1, 8, 2, 4)
     """
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     reject("fused_recurrent_gla", kwargs, gv=(gv, None), reverse=(reverse, False))
@@ -389,9 +590,43 @@ def chunk_retention(
     cu_seqlens: Array | None = None,
     **kwargs: Any,
 ) -> Result:
-    """fla's ``chunk_retention`` (RetNet): :func:`chunk_simple_gla` with RetNet's fixed decays.
+    """Compute fla's ``chunk_retention`` (RetNet): :func:`chunk_simple_gla` with fixed decays.
 
-    Head ``h`` decays by ``1 - 2 ** (-5 - h)`` per token.
+    Head ``h`` decays by ``1 - 2 ** (-5 - h)`` per token, as fla defines it.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        ``(N, H, K, V)``.
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    **kwargs
+        ``chunk_size`` (a power of 2); ``head_first`` raises fla's ``DeprecationWarning``; any other
+        option raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
 
     Examples
     --------
@@ -479,35 +714,52 @@ def chunk_delta_rule(
     cu_seqlens_cpu: Array | None = None,
     **kwargs: Any,
 ) -> Result:
-    """fla's ``chunk_delta_rule`` (DeltaNet).
+    """Compute fla's ``chunk_delta_rule`` (DeltaNet).
 
     ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``, ``o_t = scale S_t^T q_t``.
 
     Parameters
     ----------
     q, k : array
-        ``(B, T, H, K)``; keep the keys unit-norm (or pass ``use_qk_l2norm_in_kernel``).
+        Queries and keys, ``(B, T, H, K)``; unit keys (or ``use_qk_l2norm_in_kernel``) keep the
+        recurrence stable.
     v : array
-        ``(B, T, HV, V)``, ``HV`` a multiple of ``H``.
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
     beta : array
-        The learning rate per token, ``(B, T, HV)``.
+        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
     scale : float, optional
-        Default ``K ** -0.5``.
+        Multiplies the queries; default ``K ** -0.5``.
     initial_state : array, optional
-        ``(N, HV, K, V)``.
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
     output_final_state : bool
-        Return the state after the last token.
+        Return the state after the last token (else ``None``).
     use_qk_l2norm_in_kernel : bool
-        L2-normalize ``q`` and ``k`` first.
-    cu_seqlens, cu_seqlens_cpu : array of int, optional
-        Packed sequence offsets (``B == 1``).
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
     **kwargs
-        ``chunk_size`` (16, 32 or 64); ``head_first`` raises fla's error.
+        ``chunk_size`` (16, 32 or 64); ``head_first`` raises fla's ``DeprecationWarning``; any other
+        option raises ``NotImplementedError`` naming it.
 
     Returns
     -------
-    (array, array or None)
-        ``o`` ``(B, T, HV, V)`` and the final state ``(N, HV, K, V)``.
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
 
     Examples
     --------
@@ -515,10 +767,10 @@ def chunk_delta_rule(
     >>> from polylin.compat.fla import chunk_delta_rule, fused_recurrent_delta_rule
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
-    >>> k /= np.linalg.norm(k, axis=-1, keepdims=True)
     >>> beta = rng.uniform(0, 1, (1, 8, 2))
-    >>> o, _ = chunk_delta_rule(q, k, v, beta)
-    >>> bool(np.allclose(o, fused_recurrent_delta_rule(q, k, v, beta)[0]))
+    >>> o, _ = chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True)
+    >>> o_r, _ = fused_recurrent_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True)
+    >>> bool(np.allclose(o, o_r))
     True
     """
     reject_head_first(kwargs)
@@ -543,9 +795,56 @@ def fused_recurrent_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: Array | None = None,
 ) -> Result:
-    """fla's ``fused_recurrent_delta_rule``: :func:`chunk_delta_rule` token by token.
+    """Compute fla's ``fused_recurrent_delta_rule``: :func:`chunk_delta_rule`, token by token.
 
-    ``beta=None`` means 1 for every token, as in fla.
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
+    beta : array, optional
+        The learning rate per token, ``(B, T, HV)``; ``None`` means 1, as in fla.
+    scale : float, optional
+        Multiplies the queries, positive; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    use_qk_l2norm_in_kernel : bool
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import fused_recurrent_delta_rule
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> o, S = fused_recurrent_delta_rule(
+    ...     q, k, v, use_qk_l2norm_in_kernel=True, output_final_state=True
+    ... )
+    >>> o.shape, S.shape
+    ((1, 8, 2, 4), (1, 2, 4, 4))
     """
     if scale is not None and not scale > 0:
         raise ValueError("scale must be positive")
@@ -585,7 +884,7 @@ def chunk_gated_delta_rule(
     cp_context: Any | None = None,
     **kwargs: Any,
 ) -> Result:
-    """fla's ``chunk_gated_delta_rule`` (Gated DeltaNet).
+    """Compute fla's ``chunk_gated_delta_rule`` (Gated DeltaNet).
 
     ``S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T`` with ``a_t = exp(g_t)``,
     ``o_t = scale S_t^T q_t``.
@@ -593,48 +892,70 @@ def chunk_gated_delta_rule(
     Parameters
     ----------
     q, k : array
-        ``(B, T, H, K)``.
+        Queries and keys, ``(B, T, H, K)``.
     v : array
-        ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (grouped value heads).
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
     g : array
-        Log decay ``(B, T, HV)`` (in log space, ``<= 0``).
+        Log decay per token and value head, ``(B, T, HV)`` (``<= 0``).
     beta : array
-        Learning rate ``(B, T, HV)`` (after the sigmoid).
+        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
     scale : float, optional
-        Default ``K ** -0.5``.
+        Multiplies the queries; default ``K ** -0.5``.
     initial_state : array, optional
-        ``(N, HV, K, V)`` (``(N, HV, V, K)`` with ``state_v_first``).
-    output_final_state, use_qk_l2norm_in_kernel, state_v_first : bool
-        As in fla.
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    use_qk_l2norm_in_kernel : bool
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
     use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
-        Not supported (pass ``sigmoid(beta)`` instead).
-    cu_seqlens, cu_seqlens_cpu : array of int, optional
-        Packed sequence offsets (``B == 1``).
+        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
+    state_v_first : bool
+        States stored value-first, ``(N, HV, V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
     chunk_indices : array, optional
-        fla's precomputed varlen chunk table: a hint derived from ``cu_seqlens``, ignored.
-    cp_context : optional
+        The precomputed varlen chunk table of fla, derived from ``cu_seqlens``: ignored.
+    cp_context : object, optional
         Context parallelism: not supported.
     **kwargs
-        ``chunk_size`` (16, 32 or 64); ``head_first`` raises fla's error; ``use_gate_in_kernel``,
-        ``A_log``, ``dt_bias`` are not supported.
+        ``chunk_size`` (16, 32 or 64); ``head_first`` raises fla's ``DeprecationWarning``; any
+        other option raises ``NotImplementedError`` naming it (``use_gate_in_kernel``,
+        ``A_log``, ``dt_bias`` among them: compute ``g`` first).
 
     Returns
     -------
-    (array, array or None)
-        ``o`` ``(B, T, HV, V)`` and the final state ``(N, HV, K, V)``.
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
 
     Examples
     --------
     >>> import numpy as np
     >>> from polylin.compat.fla import chunk_gated_delta_rule
     >>> rng = np.random.default_rng(0)
-    >>> q, k, v = rng.standard_normal((3, 2, 8, 2, 4))
-    >>> k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    >>> g = -rng.uniform(0, 1, (2, 8, 2))       # log decay
-    >>> beta = rng.uniform(0, 1, (2, 8, 2))     # learning rate
-    >>> o, state = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    >>> q, k = rng.standard_normal((2, 2, 8, 2, 4))
+    >>> v = rng.standard_normal((2, 8, 4, 3))      # 4 value heads on 2 query/key heads
+    >>> g = -rng.uniform(0, 1, (2, 8, 4))          # log decay
+    >>> beta = rng.uniform(0, 1, (2, 8, 4))        # learning rate
+    >>> o, state = chunk_gated_delta_rule(
+    ...     q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True
+    ... )
     >>> o.shape, state.shape
-    ((2, 8, 2, 4), (2, 2, 4, 4))
+    ((2, 8, 4, 3), (2, 4, 4, 3))
     """
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     reject_head_first(kwargs)
@@ -673,11 +994,82 @@ def fused_recurrent_gated_delta_rule(
     cu_seqlens: Array | None = None,
     **kwargs: Any,
 ) -> Result:
-    """fla's ``fused_recurrent_gated_delta_rule``: :func:`chunk_gated_delta_rule` token by token.
+    """Compute fla's ``fused_recurrent_gated_delta_rule``: the gated delta rule, token by token.
 
-    ``g`` ``(B, T, HV)`` is a gate per head; ``gk`` ``(B, T, HV, K)`` one per key channel (the
-    KDA transition, as :func:`fused_recurrent_kda`); ``beta=None`` means 1. Value gates ``gv``,
-    ``g`` together with ``gk``, and the in-kernel activations are not supported.
+    :func:`chunk_gated_delta_rule` computes the same function in chunks.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
+    g : array, optional
+        Log decay per token and value head, ``(B, T, HV)``.
+    gk : array, optional
+        Log decay per key channel, ``(B, T, HV, K)`` (the KDA transition, as
+        :func:`fused_recurrent_kda`); not together with ``g``.
+    gv : array, optional
+        Value gates: not supported.
+    beta : array, optional
+        The learning rate per token, ``(B, T, HV)``; ``None`` means 1.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    use_qk_l2norm_in_kernel : bool
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    use_gate_in_kernel : bool
+        Not supported: compute ``g`` first.
+    A_log, dt_bias : array, optional
+        The in-kernel gate's parameters: not supported.
+    use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
+        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
+    state_v_first : bool
+        States stored value-first, ``(N, HV, V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    **kwargs
+        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
+        raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 9, 2, 4))
+    >>> g, beta = -rng.uniform(0, 1, (1, 9, 2)), rng.uniform(0, 1, (1, 9, 2))
+    >>> prefill, S = chunk_gated_delta_rule(
+    ...     q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], output_final_state=True
+    ... )
+    >>> o_t, S = fused_recurrent_gated_delta_rule(
+    ...     q[:, 8:], k[:, 8:], v[:, 8:], g=g[:, 8:], beta=beta[:, 8:], initial_state=S,
+    ...     output_final_state=True,
+    ... )
+    >>> whole, _ = chunk_gated_delta_rule(q, k, v, g, beta)
+    >>> bool(np.allclose(o_t, whole[:, 8:]))
+    True
     """
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     op = "fused_recurrent_gated_delta_rule"
@@ -722,7 +1114,7 @@ def chunk_kda(
     max_num_seqs: int | None = None,
     **kwargs: Any,
 ) -> Result:
-    """fla's ``chunk_kda`` (Kimi Delta Attention): the delta rule with a per-channel decay.
+    """Compute fla's ``chunk_kda`` (Kimi Delta Attention): the delta rule, a decay per key channel.
 
     ``S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``,
     ``o_t = scale S_t^T q_t``.
@@ -730,30 +1122,79 @@ def chunk_kda(
     Parameters
     ----------
     q, k : array
-        ``(B, T, H, K)``.
+        Queries and keys, ``(B, T, H, K)``.
     v : array
-        ``(B, T, HV, V)``, ``HV`` a multiple of ``H``.
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
     g : array
-        Log decay per key channel, ``(B, T, HV, K)`` (precomputed: ``use_gate_in_kernel`` is
-        not supported).
+        Log decay per token, value head and key channel, ``(B, T, HV, K)``.
     beta : array
-        ``(B, T, HV)``.
-    scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, state_v_first
-        As in :func:`chunk_gated_delta_rule`.
-    safe_gate, disable_recompute : bool
-        fla's speed hints; accepted and ignored (they do not change the function).
-    cu_seqlens, cu_seqlens_cpu : array of int, optional
-        Packed sequence offsets (``B == 1``).
-    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-    return_intermediate_states, cp_context, use_graph, max_num_seqs
-        Not supported (left at their defaults).
+        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    use_qk_l2norm_in_kernel : bool
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    use_gate_in_kernel : bool
+        Not supported: compute ``g`` first.
+    use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
+        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
+    safe_gate : bool
+        A speed hint of fla for bounded gates: accepted, ignored.
+    lower_bound : float, optional
+        The in-kernel gate's bound: not supported.
+    disable_recompute : bool
+        A memory/speed trade-off of fla: accepted, ignored.
+    return_intermediate_states : bool
+        Not supported.
+    state_v_first : bool
+        States stored value-first, ``(N, HV, V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+    cp_context : object, optional
+        Context parallelism: not supported.
+    use_graph : bool
+        CUDA graph capture: not supported.
+    max_num_seqs : int, optional
+        Used with ``use_graph`` only: not supported.
     **kwargs
-        ``chunk_size`` (32 or 64).
+        ``chunk_size`` (32 or 64); ``head_first`` raises fla's ``DeprecationWarning``; any other
+        option raises ``NotImplementedError`` naming it.
 
     Returns
     -------
-    (array, array or None)
-        ``o`` ``(B, T, HV, V)`` and the final state ``(N, HV, K, V)``.
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_kda, fused_recurrent_kda
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> g = -rng.uniform(0, 1, (1, 8, 2, 4))
+    >>> beta = rng.uniform(0, 1, (1, 8, 2))
+    >>> o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    >>> o_r, _ = fused_recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    >>> bool(np.allclose(o, o_r))
+    True
     """
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     chunk_size = pop_chunk_size("chunk_kda", kwargs, (32, 64))
@@ -793,10 +1234,70 @@ def fused_recurrent_kda(
     cu_seqlens: Array | None = None,
     **kwargs: Any,
 ) -> Result:
-    """fla's ``fused_recurrent_kda``: :func:`chunk_kda` token by token.
+    """Compute fla's ``fused_recurrent_kda``: :func:`chunk_kda`, token by token.
 
-    The in-kernel gate (``A_log``, ``dt_bias``, ``use_gate_in_kernel``, ``lower_bound``) and
-    the sigmoid of ``beta`` are not supported.
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
+    g : array
+        Log decay per token, value head and key channel, ``(B, T, HV, K)``.
+    beta : array
+        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
+    A_log, dt_bias : array, optional
+        The in-kernel gate's parameters: not supported (compute ``g`` first).
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    use_qk_l2norm_in_kernel : bool
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    use_gate_in_kernel : bool
+        Not supported.
+    use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
+        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
+    lower_bound : float, optional
+        The in-kernel gate's bound: not supported.
+    state_v_first : bool
+        States stored value-first, ``(N, HV, V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    **kwargs
+        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
+        raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import fused_recurrent_kda
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> g = -rng.uniform(0, 1, (1, 8, 2, 4))
+    >>> beta = rng.uniform(0, 1, (1, 8, 2))
+    >>> fused_recurrent_kda(q, k, v, g, beta)[0].shape
+    (1, 8, 2, 4)
     """
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     _reject_gate_options(

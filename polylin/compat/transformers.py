@@ -36,7 +36,7 @@ def _gated_delta_chunk(
     cu_seqlens: Any = None,
     **kwargs: Any,
 ) -> tuple[Any, Any]:
-    """transformers' ``torch_chunk_gated_delta_rule`` signature on :func:`fla.chunk_gated_delta_rule`."""
+    """transformers' ``torch_chunk_gated_delta_rule`` on :func:`fla.chunk_gated_delta_rule`."""
     # Other keywords are the model's own (attention kwargs): transformers drops them too.
     return fla.chunk_gated_delta_rule(
         query, key, value, g, beta, initial_state=initial_state,
@@ -57,7 +57,7 @@ def _gated_delta_recurrent(
     cu_seqlens: Any = None,
     **kwargs: Any,
 ) -> tuple[Any, Any]:
-    """transformers' ``torch_recurrent_gated_delta_rule`` on :func:`fla.fused_recurrent_gated_delta_rule`."""
+    """transformers' ``torch_recurrent_gated_delta_rule`` on the fla twin of the same name."""
     return fla.fused_recurrent_gated_delta_rule(
         query, key, value, g=g, beta=beta, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -106,11 +106,11 @@ def _kda_recurrent(
     )  # fmt: skip
 
 
-_GATED_DELTA = {
+_GATED_DELTA: dict[str, Callable[..., Any]] = {
     "torch_chunk_gated_delta_rule": _gated_delta_chunk,
     "torch_recurrent_gated_delta_rule": _gated_delta_recurrent,
 }
-_KDA = {
+_KDA: dict[str, Callable[..., Any]] = {
     "chunk_kimi_delta_attention": _kda_chunk,
     "recurrent_kimi_delta_attention": _kda_recurrent,
 }
@@ -149,7 +149,9 @@ def _rebind(func: Any, kernels: dict[str, Callable[..., Any]]) -> Any:
     )
     if not any(cell.cell_contents is new_inner for cell in cells):
         raise TypeError(f"cannot rebind the kernels of {func.__qualname__}: unknown decorator")
-    wrapper = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, cells)
+    wrapper: Any = types.FunctionType(
+        func.__code__, func.__globals__, func.__name__, func.__defaults__, cells
+    )
     wrapper.__kwdefaults__ = func.__kwdefaults__
     functools.update_wrapper(wrapper, func)
     wrapper.__wrapped__ = new_inner
@@ -157,7 +159,7 @@ def _rebind(func: Any, kernels: dict[str, Callable[..., Any]]) -> Any:
 
 
 @functools.cache
-def _forward_for(cls: type, source: str) -> Any:
+def _forward_for(cls: Any, source: str) -> Any:
     """The class's ``forward`` on ``source``'s kernels (built once per class)."""
     kernels = LAYER_CLASSES[cls.__name__]
     if source == "transformers":
@@ -219,5 +221,25 @@ def use_transformers_fallback(model: Any) -> Any:
 
     transformers picks fla's Triton kernels whenever ``fla`` imports, even where they cannot
     run (a CPU): this runs its reference code instead, for comparisons and benchmarks.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel or torch.nn.Module
+        Any module containing such layers (converted in place).
+
+    Returns
+    -------
+    model
+        The same model.
+
+    Raises
+    ------
+    ValueError
+        The model has no such layer.
+
+    Examples
+    --------
+    >>> from polylin.compat.transformers import use_transformers_fallback
+    >>> reference = use_transformers_fallback(model)  # doctest: +SKIP
     """
     return _convert(model, "transformers")
