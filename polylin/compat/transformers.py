@@ -172,8 +172,9 @@ def _forward_for(cls: Any, source: str) -> Any:
 def _convert(model: Any, source: str) -> Any:
     converted = 0
     for layer in model.modules():
-        if type(layer).__name__ in LAYER_CLASSES:
-            layer.forward = types.MethodType(_forward_for(type(layer), source), layer)
+        cls: Any = type(layer)
+        if cls.__name__ in LAYER_CLASSES:
+            layer.forward = types.MethodType(_forward_for(cls, source), layer)
             converted += 1
     if converted == 0:
         raise ValueError(
