@@ -51,7 +51,8 @@ def models(hidden: int, layers: int) -> dict[str, Callable[[], Any]]:
     def qwen3_next() -> Any:
         config = transformers.Qwen3NextConfig(
             vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+            num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 4),
             head_dim=64, linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads,
             linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
@@ -98,7 +99,9 @@ def bench_models(lengths: list[int], hidden: int, layers: int, repeats: int) -> 
             want, got = reference(ids[:, :256]).logits, model(ids[:, :256]).logits
         error = float((got - want).abs().max() / want.abs().max())
         if error > 1e-4:
-            raise AssertionError(f"{name}: polylin's logits differ from transformers' by {error:.2e}")
+            raise AssertionError(
+                f"{name}: polylin's logits differ from transformers' by {error:.2e}"
+            )
         for length in lengths:
             ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(1))
 
@@ -112,7 +115,7 @@ def bench_models(lengths: list[int], hidden: int, layers: int, repeats: int) -> 
         prompt = ids[:, :16]
         new = 32
 
-        def decode(m: Any) -> Any:
+        def decode(m: Any, prompt: Any = prompt, new: int = new) -> Any:
             with torch.no_grad():
                 return m.generate(
                     prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
@@ -124,7 +127,7 @@ def bench_models(lengths: list[int], hidden: int, layers: int, repeats: int) -> 
         progress(rows[-1])
         ids = ids[:, : lengths[0]]
 
-        def train(m: Any) -> None:
+        def train(m: Any, ids: Any = ids) -> None:
             m.zero_grad()
             m(ids, labels=ids).loss.backward()
 
@@ -160,6 +163,20 @@ def fla_naive(family: str) -> Any:
     return module
 
 
+#: The compat chunk functions timed against fla's naive form of the same op.
+OPS = ("linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule", "kda")
+
+#: fla's naive function each is timed against (fla ships no chunked naive GLA).
+NAIVE = {
+    "linear_attn": "naive_chunk_linear_attn",
+    "simple_gla": "naive_chunk_simple_gla",
+    "gla": "naive_recurrent_gla",
+    "delta_rule": "delta_rule_chunkwise",
+    "gated_delta_rule": "naive_chunk_gated_delta_rule",
+    "kda": "naive_chunk_kda",
+}
+
+
 def bench_ops(length: int, repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     B, T, H, D = 1, length, 4, 64
@@ -177,15 +194,17 @@ def bench_ops(length: int, repeats: int) -> list[dict]:
             lambda: fla.chunk_simple_gla(q, k, v, g_head)[0],
             lambda: fla_naive("simple_gla").naive_chunk_simple_gla(q, k, v, g_head)[0],
         ),
-        "gla (recurrent naive)": (
+        "gla": (
             lambda: fla.chunk_gla(q, k, v, g_chan)[0],
             lambda: fla_naive("gla").naive_recurrent_gla(q, k, v, g_chan)[0],
         ),
         "delta_rule": (
             lambda: fla.chunk_delta_rule(q, unit, v, beta)[0],
-            lambda: fla_naive("delta_rule").delta_rule_chunkwise(
-                *(x.transpose(1, 2) for x in (q, unit, v, beta))
-            )[0].transpose(1, 2),
+            lambda: (
+                fla_naive("delta_rule")
+                .delta_rule_chunkwise(*(x.transpose(1, 2) for x in (q, unit, v, beta)))[0]
+                .transpose(1, 2)
+            ),
         ),
         "gated_delta_rule": (
             lambda: fla.chunk_gated_delta_rule(q, unit, v, g_head, beta)[0],
@@ -198,14 +217,11 @@ def bench_ops(length: int, repeats: int) -> list[dict]:
             lambda: fla_naive("kda").naive_chunk_kda(q, unit, v, g_chan, beta)[0],
         ),
     }
+    assert set(cases) == set(OPS)
     rows = []
     for name, (ours, naive) in cases.items():
-        try:
-            with torch.no_grad():
-                got, want = ours(), naive()
-        except NotImplementedError as error:
-            print(f"{name}: skipped ({error})", flush=True)
-            continue
+        with torch.no_grad():
+            got, want = ours(), naive()
         error = float((got - want).abs().max() / want.abs().max())
         if error > 1e-3:
             raise AssertionError(f"{name}: compat and fla's naive form differ by {error:.2e}")
@@ -218,7 +234,7 @@ def bench_ops(length: int, repeats: int) -> list[dict]:
             return call
 
         t = alternate({"naive": timed(naive), "compat": timed(ours)}, repeats)
-        rows.append(row(f"fla.chunk_{name}", "forward", length, t))
+        rows.append(row(f"fla.chunk_{name}", "forward", length, t) | {"naive": NAIVE[name]})
         progress(rows[-1])
     return rows
 

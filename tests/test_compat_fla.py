@@ -1,4 +1,4 @@
-"""polylin.compat.fla: fla's signatures and layouts, checked against float64 loops and fla's naive forms.
+"""polylin.compat.fla: fla's signatures and layouts against float64 loops and fla's naive forms.
 
 The reference below is the per-token recurrence written out in fla's layout ``(B, T, H, d)``
 with grouped value heads (query/key head ``j // G`` serves value head ``j``), run per sequence
@@ -8,6 +8,7 @@ for ``cu_seqlens``: an independent float64 statement of what each op computes.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -73,12 +74,12 @@ def reference(
 
 
 def reference_varlen(offsets: list[int], q: Any, k: Any, v: Any, **kw: Any) -> tuple[Any, Any]:
-    """Packed sequences ``(1, T, ...)``: each from its own ``S0[n]`` (``kw['S0']`` is ``(N, ...)``)."""
+    """Packed sequences ``(1, T, ...)``, each from its own state ``kw['S0'][n]``."""
     xp = array_api_compat.array_namespace(q)
     S0 = kw.pop("S0", None)
     per_token = {n: kw.pop(n) for n in ("beta", "g") if kw.get(n) is not None}
     outs, states = [], []
-    for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+    for n, (a, b) in enumerate(itertools.pairwise(offsets)):
         cut = {name: x[:, a:b] for name, x in per_token.items()}
         o, S, _ = reference(
             q[:, a:b], k[:, a:b], v[:, a:b], S0=None if S0 is None else S0[n : n + 1], **cut, **kw
@@ -188,12 +189,16 @@ def test_op_matches_reference_with_states_and_scale(backend, family, form, G):
     x = make_inputs(family, rng, B, T, H, G, K, V)
     S0 = rng.standard_normal((B, H * G, K, V)) * 0.3
     xb = {n: backend.from_numpy(a) for n, a in x.items()}
-    chunking = {"chunk_size": CHUNK_SIZES[family]} if form == "chunk" and family in CHUNK_SIZES else {}
+    chunking = (
+        {"chunk_size": CHUNK_SIZES[family]} if form == "chunk" and family in CHUNK_SIZES else {}
+    )
     o, S = call(
         family, form, xb, scale=0.7, initial_state=backend.from_numpy(S0),
         output_final_state=True, **chunking,
     )  # fmt: skip
-    ref_o, ref_S, _ = reference(x["q"], x["k"], x["v"], scale=0.7, S0=S0, **reference_gates(family, x))
+    ref_o, ref_S, _ = reference(
+        x["q"], x["k"], x["v"], scale=0.7, S0=S0, **reference_gates(family, x)
+    )
     assert type(o) is type(xb["q"]) and o.dtype == xb["q"].dtype
     np.testing.assert_allclose(backend.to_numpy(o), ref_o, rtol=1e-8, atol=1e-9)
     np.testing.assert_allclose(backend.to_numpy(S), ref_S, rtol=1e-8, atol=1e-9)
@@ -242,9 +247,7 @@ def test_normalized_linear_attention_and_its_key_sum(backend, form):
         q, k, v, initial_state=(backend.from_numpy(S0), backend.from_numpy(z0)),
         output_final_state=True, normalize=True,
     )  # fmt: skip
-    ref_o, ref_S, ref_z = reference(
-        x["q"], x["k"], x["v"], S0=S0, z0=z0[:, 0], normalize=True
-    )
+    ref_o, ref_S, ref_z = reference(x["q"], x["k"], x["v"], S0=S0, z0=z0[:, 0], normalize=True)
     np.testing.assert_allclose(backend.to_numpy(o), ref_o, rtol=1e-8)
     np.testing.assert_allclose(backend.to_numpy(S), ref_S, rtol=1e-8)
     np.testing.assert_allclose(backend.to_numpy(z), ref_z[:, None], rtol=1e-8)
@@ -313,7 +316,9 @@ def test_bfloat16_inputs_give_bfloat16_outputs(family):
     ref_o, ref_S, _ = reference(x64["q"], x64["k"], x64["v"], **reference_gates(family, x64))
     scale = np.abs(ref_o).max()
     np.testing.assert_allclose(o.to(torch.float64).numpy(), ref_o, atol=2e-2 * scale)
-    np.testing.assert_allclose(S.double().numpy(), ref_S, rtol=1e-4, atol=1e-4 * np.abs(ref_S).max())
+    np.testing.assert_allclose(
+        S.double().numpy(), ref_S, rtol=1e-4, atol=1e-4 * np.abs(ref_S).max()
+    )
 
 
 @pytest.mark.parametrize("form", ["chunk", "fused_recurrent"])
@@ -382,7 +387,9 @@ def test_equals_fla_naive_linear_attn():
     torch = pytest.importorskip("torch")
     naive = fla_naive("linear_attn")
     rng = np.random.default_rng(23)
-    x = {n: torch.asarray(a) for n, a in make_inputs("linear_attn", rng, 2, 128, 2, 1, 8, 4).items()}
+    x = {
+        n: torch.asarray(a) for n, a in make_inputs("linear_attn", rng, 2, 128, 2, 1, 8, 4).items()
+    }
     q, k, v = x["q"], x["k"], x["v"]
     for normalize in (False, True):
         want = naive.naive_chunk_linear_attn(q, k, v, normalize=normalize)
@@ -398,7 +405,9 @@ def test_equals_fla_naive_simple_gla_gla_retention():
     rng = np.random.default_rng(29)
     x = {n: torch.asarray(a) for n, a in make_inputs("simple_gla", rng, 2, 50, 2, 1, 8, 4).items()}
     naive = fla_naive("simple_gla")
-    want, want_S = naive.naive_chunk_simple_gla(x["q"], x["k"], x["v"], x["g"], output_final_state=True)
+    want, want_S = naive.naive_chunk_simple_gla(
+        x["q"], x["k"], x["v"], x["g"], output_final_state=True
+    )
     got, got_S = fla.chunk_simple_gla(x["q"], x["k"], x["v"], x["g"], output_final_state=True)
     np.testing.assert_allclose(got.numpy(), want.double().numpy(), **F32)
     np.testing.assert_allclose(got_S.numpy(), want_S.double().numpy(), **F32)
@@ -432,7 +441,10 @@ def test_equals_fla_naive_delta_rules():
     want, _ = naive.delta_rule_chunkwise(*(t.float() for t in head_first))
     np.testing.assert_allclose(got.numpy(), want.transpose(1, 2).double().numpy(), **F32)
 
-    x = {n: torch.asarray(a) for n, a in make_inputs("gated_delta_rule", rng, 2, 50, 2, 1, 8, 4).items()}
+    x = {
+        n: torch.asarray(a)
+        for n, a in make_inputs("gated_delta_rule", rng, 2, 50, 2, 1, 8, 4).items()
+    }
     naive = fla_naive("gated_delta_rule")
     args = (x["q"], x["k"], x["v"])
     want, want_S = naive.naive_recurrent_gated_delta_rule(
@@ -485,8 +497,16 @@ def test_head_first_raises_flas_own_error():
     ("fn", "options", "names"),
     [
         (fla.chunk_gated_delta_rule, {"cp_context": object()}, "`cp_context`"),
-        (fla.chunk_gated_delta_rule, {"use_gate_in_kernel": True, "A_log": 1}, "`use_gate_in_kernel`, `A_log`"),
-        (fla.chunk_gated_delta_rule, {"use_beta_sigmoid_in_kernel": True}, "`use_beta_sigmoid_in_kernel`"),
+        (
+            fla.chunk_gated_delta_rule,
+            {"use_gate_in_kernel": True, "A_log": 1},
+            "`use_gate_in_kernel`, `A_log`",
+        ),
+        (
+            fla.chunk_gated_delta_rule,
+            {"use_beta_sigmoid_in_kernel": True},
+            "`use_beta_sigmoid_in_kernel`",
+        ),
         (fla.fused_recurrent_gated_delta_rule, {"gv": np.zeros(1)}, "`gv`"),
         (fla.chunk_kda, {"return_intermediate_states": True}, "`return_intermediate_states`"),
         (fla.chunk_gated_delta_rule, {"some_new_option": 1}, "`some_new_option`"),

@@ -83,7 +83,7 @@ def relative(a: Any, b: Any) -> float:
 
 
 def test_layers_converted(pair):
-    reference, model = pair
+    _, model = pair
     layers = [m for m in model.modules() if type(m).__name__ in LAYER_CLASSES]
     assert layers and all("forward" in vars(m) for m in layers)
     assert all(
