@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
-from pathlib import Path
 from typing import Any
 
 import array_api_compat
@@ -366,18 +365,14 @@ def test_gradients_match_the_reference(family, form):
 
 
 def fla_naive(family: str) -> Any:
-    """``fla/ops/<family>/naive.py`` loaded by path (fla's package imports Triton kernels)."""
+    """``fla/ops/<family>/naive.py``, loaded by path (fla's package imports Triton kernels)."""
     pytest.importorskip("torch")
     pytest.importorskip("einops")
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
+    if importlib.util.find_spec("fla") is None:
         pytest.skip("fla-core is not installed (the bench extra pins fla-core==0.6.0)")
-    path = Path(spec.submodule_search_locations[0]) / "ops" / family / "naive.py"
-    module_spec = importlib.util.spec_from_file_location(f"fla_naive_{family}", path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+    from benchmarks.compat import fla_naive as load
+
+    return load(family)
 
 
 F32 = {"rtol": 2e-5, "atol": 2e-5}

@@ -23,96 +23,43 @@ from . import fla
 __all__ = ["LAYER_CLASSES", "use_polylin", "use_transformers_fallback"]
 
 
-def _gated_delta_chunk(
-    query: Any,
-    key: Any,
-    value: Any,
-    g: Any,
-    beta: Any,
-    chunk_size: int = 64,
-    initial_state: Any = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Any = None,
-    **kwargs: Any,
-) -> tuple[Any, Any]:
-    """transformers' ``torch_chunk_gated_delta_rule`` on :func:`fla.chunk_gated_delta_rule`."""
-    # Other keywords are the model's own (attention kwargs): transformers drops them too.
-    return fla.chunk_gated_delta_rule(
-        query, key, value, g, beta, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-    )  # fmt: skip
+def _kernel(twin: Callable[..., Any], *, chunked: bool) -> Callable[..., Any]:
+    """transformers' kernel signature (``torch_chunk_gated_delta_rule`` and its kin) on ``twin``."""
 
+    def kernel(
+        query: Any,
+        key: Any,
+        value: Any,
+        g: Any,
+        beta: Any,
+        chunk_size: int = 64,
+        initial_state: Any = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        cu_seqlens: Any = None,
+        **kwargs: Any,
+    ) -> tuple[Any, Any]:
+        # Other keywords are the model's own (attention kwargs): transformers drops them too.
+        options = {"chunk_size": chunk_size} if chunked else {}
+        return twin(
+            query, key, value, g=g, beta=beta, initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, **options,
+        )  # fmt: skip
 
-def _gated_delta_recurrent(
-    query: Any,
-    key: Any,
-    value: Any,
-    g: Any,
-    beta: Any,
-    initial_state: Any = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Any = None,
-    **kwargs: Any,
-) -> tuple[Any, Any]:
-    """transformers' ``torch_recurrent_gated_delta_rule`` on the fla twin of the same name."""
-    return fla.fused_recurrent_gated_delta_rule(
-        query, key, value, g=g, beta=beta, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-
-
-def _kda_chunk(
-    query: Any,
-    key: Any,
-    value: Any,
-    g: Any,
-    beta: Any,
-    chunk_size: int = 64,
-    initial_state: Any = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Any = None,
-    **kwargs: Any,
-) -> tuple[Any, Any]:
-    """transformers' ``chunk_kimi_delta_attention`` on :func:`fla.chunk_kda`."""
-    return fla.chunk_kda(
-        query, key, value, g, beta, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-    )  # fmt: skip
-
-
-def _kda_recurrent(
-    query: Any,
-    key: Any,
-    value: Any,
-    g: Any,
-    beta: Any,
-    initial_state: Any = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Any = None,
-    **kwargs: Any,
-) -> tuple[Any, Any]:
-    """transformers' ``recurrent_kimi_delta_attention`` on :func:`fla.fused_recurrent_kda`."""
-    return fla.fused_recurrent_kda(
-        query, key, value, g, beta, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+    kernel.__name__ = kernel.__qualname__ = f"polylin_{twin.__name__}"
+    return kernel
 
 
 _GATED_DELTA: dict[str, Callable[..., Any]] = {
-    "torch_chunk_gated_delta_rule": _gated_delta_chunk,
-    "torch_recurrent_gated_delta_rule": _gated_delta_recurrent,
+    "torch_chunk_gated_delta_rule": _kernel(fla.chunk_gated_delta_rule, chunked=True),
+    "torch_recurrent_gated_delta_rule": _kernel(
+        fla.fused_recurrent_gated_delta_rule, chunked=False
+    ),
 }
 _KDA: dict[str, Callable[..., Any]] = {
-    "chunk_kimi_delta_attention": _kda_chunk,
-    "recurrent_kimi_delta_attention": _kda_recurrent,
+    "chunk_kimi_delta_attention": _kernel(fla.chunk_kda, chunked=True),
+    "recurrent_kimi_delta_attention": _kernel(fla.fused_recurrent_kda, chunked=False),
 }
 
 #: The layer classes (by name) :func:`use_polylin` converts, and the kernel names each calls.
