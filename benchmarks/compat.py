@@ -239,6 +239,37 @@ def bench_ops(length: int, repeats: int) -> list[dict]:
     return rows
 
 
+def markdown(result: dict) -> dict[str, str]:
+    """The docs' tables: ``compat_models.md`` and ``compat_ops.md`` (ratios, then seconds)."""
+    models = [
+        "| model | measurement | T | transformers (s) | polylin (s) | speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
+    ops = [
+        "| compat function | fla's naive form | T | naive (s) | compat (s) | speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if "transformers" in r["seconds"]:
+            t = r["seconds"]
+            models.append(
+                f"| {r['model']} | {r['what']} | {r['T']} | {t['transformers']:.4g} | "
+                f"{t['polylin']:.4g} | {r['speedup']:.2f}x |"
+            )
+        else:
+            t = r["seconds"]
+            ops.append(
+                f"| `{r['model']}` | `{r['naive']}` | {r['T']} | {t['naive']:.4g} | "
+                f"{t['compat']:.4g} | {r['speedup']:.2f}x |"
+            )
+    note = (
+        f"\ntorch {result['torch']}, transformers {result['transformers']}, fla "
+        f"{result['fla']}, {result['threads']} threads; `{result['command']}`.\n"
+    )
+    return {"compat_models.md": "\n".join(models) + "\n" + note,
+            "compat_ops.md": "\n".join(ops) + "\n" + note}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
@@ -248,9 +279,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", nargs="+", default=["models", "ops"], choices=["models", "ops"])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the test suite)")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="write the docs' tables into this folder"
+    )
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="tables from an earlier run's JSON"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.hidden, args.layers, args.repeats = [64], 64, 2, 1
+    if args.from_json is not None:
+        result = json.loads(args.from_json.read_text())
+        write_tables(result, args.markdown)
+        return result
     import transformers
 
     result = {
@@ -265,7 +306,14 @@ def main(argv: list[str] | None = None) -> dict:
         result["rows"] += bench_ops(args.lengths[0], args.repeats)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
+    write_tables(result, args.markdown)
     return result
+
+
+def write_tables(result: dict, folder: Path | None) -> None:
+    if folder is not None:
+        for name, text in markdown(result).items():
+            (folder / name).write_text(text)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from benchmarks import compat
 
 def test_quick_run_records_every_row(tmp_path):
     out = tmp_path / "compat.json"
-    result = compat.main(["--quick", "--json", str(out)])
+    result = compat.main(["--quick", "--json", str(out), "--markdown", str(tmp_path)])
     assert json.loads(out.read_text()) == result
     rows = {(r["model"], r["what"]) for r in result["rows"]}
     for model in ("qwen3_next", "kimi_linear"):
@@ -28,3 +28,6 @@ def test_quick_run_records_every_row(tmp_path):
     for r in result["rows"]:
         assert r["speedup"] > 0 and all(t > 0 for t in r["seconds"].values())
     assert result["transformers"] and result["fla"] == "0.6.0"
+    tables = (tmp_path / "compat_models.md").read_text(), (tmp_path / "compat_ops.md").read_text()
+    assert "| qwen3_next | prefill | 64 |" in tables[0]
+    assert "`fla.chunk_gated_delta_rule` | `naive_chunk_gated_delta_rule`" in tables[1]
