@@ -87,9 +87,23 @@ def alternate(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, fl
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def bench_models(lengths: list[int], hidden: int, layers: int, repeats: int) -> list[dict]:
+MEASUREMENTS = ("prefill", "decode", "train")
+
+
+def bench_models(
+    lengths: list[int],
+    hidden: int,
+    layers: int,
+    repeats: int,
+    *,
+    names: list[str] | None = None,
+    measurements: tuple[str, ...] = MEASUREMENTS,
+    train_length: int | None = None,
+) -> list[dict]:
     rows = []
     for name, build in models(hidden, layers).items():
+        if names is not None and name not in names:
+            continue
         torch.manual_seed(0)
         reference = use_transformers_fallback(build().float().eval())
         model = use_polylin(copy.deepcopy(reference))
@@ -102,7 +116,7 @@ def bench_models(lengths: list[int], hidden: int, layers: int, repeats: int) -> 
             raise AssertionError(
                 f"{name}: polylin's logits differ from transformers' by {error:.2e}"
             )
-        for length in lengths:
+        for length in lengths if "prefill" in measurements else []:
             ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(1))
 
             def prefill(m: Any, ids: Any = ids) -> Any:
@@ -122,10 +136,14 @@ def bench_models(lengths: list[int], hidden: int, layers: int, repeats: int) -> 
                     use_cache=True, pad_token_id=0,
                 )  # fmt: skip
 
-        t = alternate({k: functools.partial(decode, m) for k, m in pair.items()}, repeats)
-        rows.append(row(name, "decode per token", 16, {k: v / new for k, v in t.items()}))
-        progress(rows[-1])
-        ids = ids[:, : lengths[0]]
+        if "decode" in measurements:
+            t = alternate({k: functools.partial(decode, m) for k, m in pair.items()}, repeats)
+            rows.append(row(name, "decode per token", 16, {k: v / new for k, v in t.items()}))
+            progress(rows[-1])
+        if "train" not in measurements:
+            continue
+        length = train_length or lengths[0]
+        ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(2))
 
         def train(m: Any, ids: Any = ids) -> None:
             m.zero_grad()
@@ -134,7 +152,7 @@ def bench_models(lengths: list[int], hidden: int, layers: int, repeats: int) -> 
         for m in pair.values():
             m.train()
         t = alternate({k: functools.partial(train, m) for k, m in pair.items()}, repeats)
-        rows.append(row(name, "forward+backward", lengths[0], t))
+        rows.append(row(name, "forward+backward", length, t))
         progress(rows[-1])
     return rows
 
@@ -148,7 +166,11 @@ def row(model: str, what: str, length: int, t: dict[str, float]) -> dict:
 
 
 def progress(r: dict) -> None:
-    print(f"{r['model']:>26} {r['what']:>18} T={r['T']:>5}  x{r['speedup']:.2f}", flush=True)
+    seconds = " ".join(f"{k}={v:.4g}s" for k, v in r["seconds"].items())
+    print(
+        f"{r['model']:>26} {r['what']:>18} T={r['T']:>5}  x{r['speedup']:.2f}  {seconds}",
+        flush=True,
+    )
 
 
 def fla_naive(family: str) -> Any:
@@ -278,6 +300,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--parts", nargs="+", default=["models", "ops"], choices=["models", "ops"])
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--models", nargs="+", default=None, choices=["qwen3_next", "kimi_linear"])
+    parser.add_argument(
+        "--measurements", nargs="+", default=list(MEASUREMENTS), choices=MEASUREMENTS
+    )
+    parser.add_argument("--train-length", type=int, default=None, help="default: the first length")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the test suite)")
     parser.add_argument(
         "--markdown", type=Path, default=None, help="write the docs' tables into this folder"
@@ -301,7 +328,10 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": [],
     }  # fmt: skip
     if "models" in args.parts:
-        result["rows"] += bench_models(args.lengths, args.hidden, args.layers, args.repeats)
+        result["rows"] += bench_models(
+            args.lengths, args.hidden, args.layers, args.repeats, names=args.models,
+            measurements=tuple(args.measurements), train_length=args.train_length,
+        )  # fmt: skip
     if "ops" in args.parts:
         result["rows"] += bench_ops(args.lengths[0], args.repeats)
     if args.json is not None:
