@@ -53,7 +53,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ._intra_chunk import SCORES, intra_chunk, scalar_gate_scores
-from ._ops import causal_mask, pad_rows, split_rows
+from ._ops import (
+    causal_mask,
+    concat_leading,
+    matmul,
+    pad_rows,
+    split_rows,
+    widens,
+)
 from ._policy import cumulative_sum, device, eager_cpu, unstack
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
@@ -101,11 +108,14 @@ def causal_chunked(
     ``features`` maps one block of queries and keys; a feature map acts on each token alone (as
     :func:`polylin.step` also requires), so mapping block by block is exact. ``v`` is in the
     work dtype; ``mask`` (``(..., T, 1)``) and ``log_decay`` (``(..., T or 1, 1 or d_phi)``,
-    already zero at masked tokens) broadcast against the leading dimensions.
+    already zero at masked tokens) broadcast against the leading dimensions, as ``q``, ``k``
+    and ``v`` do against each other (grouped heads); ``S`` and ``z`` have the broadcast ones.
+    Each input keeps its own leading dimensions throughout: nothing is copied per group.
     """
-    *batch, T, d_v = v.shape
+    T, d_v = v.shape[-2:]
+    batch = S.shape[:-2]  # the broadcast leading dimensions of q, k and v
     if T == 0:
-        return v, S, z
+        return xp.broadcast_to(v, (*batch, T, d_v)), S, z
     dev = device(v)
     # z as one more column of S makes the normalizer one more output column (module docstring).
     state = xp.concat([S, z[..., None]], axis=-1)  # (..., d_phi, d_v + 1)
@@ -149,9 +159,11 @@ def _block(
     normalize: bool,
     chained: bool,
 ) -> tuple[Any, Any]:
-    """Outputs of one block of tokens and the state after it (``state``: z is its last column)."""
-    *batch, length, d_v = v.shape
-    d_phi = fq.shape[-1]
+    """Outputs of one block of tokens and the state after it (``state``: z is its last column).
+
+    ``fq``, ``fk``, ``v`` and ``log_decay`` keep their own leading dimensions, which broadcast.
+    """
+    length, d_v = v.shape[-2:]
     chunk = causal.shape[-1]
     n_chunks = -(-length // chunk)
     padded = n_chunks * chunk
@@ -159,13 +171,11 @@ def _block(
         fq, fk, v = (pad_rows(xp, x, padded - length) for x in (fq, fk, v))
         if log_decay is not None:
             log_decay = pad_rows(xp, log_decay, padded - length)
-    Q = xp.reshape(fq, (*batch, n_chunks, chunk, d_phi))
-    K = xp.reshape(fk, (*batch, n_chunks, chunk, d_phi))
-    V = xp.reshape(v, (*batch, n_chunks, chunk, d_v))
+    Q, K, V = (xp.reshape(x, (*x.shape[:-2], n_chunks, chunk, x.shape[-1])) for x in (fq, fk, v))
     if log_decay is None:
         states, new_state = _prefix(xp, _increments(xp, K, V), None, state, chained=chained)
-        scores = xp.where(causal, xp.matmul(Q, xp.matrix_transpose(K)), 0.0)
-        out = xp.matmul(Q, states) + _attend(xp, scores, V)
+        scores = xp.where(causal, matmul(xp, Q, xp.matrix_transpose(K)), 0.0)
+        out = matmul(xp, Q, states) + _attend(xp, scores, V)
     else:
         lead, width = log_decay.shape[:-2], log_decay.shape[-1]
         G = xp.reshape(log_decay, (*lead, n_chunks, chunk, width))
@@ -174,13 +184,28 @@ def _block(
             after = _sum_after(xp, G)  # B - b_s: from s (exclusive) to the chunk end
             total = xp.sum(G, axis=-2, keepdims=True)  # B: the whole chunk
             scores = scalar_gate_scores(xp, Q, K, G, causal)
-            queries, keys, chunk_decay = Q * xp.exp(before), K * xp.exp(after), xp.exp(total)
+            # A gate of grouped heads has the groups' axis: there Q * exp(b) and K * exp(B - b)
+            # would copy the queries and keys per group, so the scalar per token scales the
+            # rows of Q S and of V instead (the same products; where the gate widens nothing,
+            # scaling the features measured faster).
+            decay = xp.matrix_transpose(xp.exp(total))  # (..., n, 1, 1)
+            if widens(K, after):
+                increments = _increments(xp, K, V, weights=xp.exp(after))
+            else:
+                increments = _increments(xp, K * xp.exp(after), V)
+            states, new_state = _prefix(xp, increments, decay, state, chained=chained)
+            if widens(Q, before):
+                from_state = matmul(xp, Q, states) * xp.exp(before)
+            else:
+                from_state = matmul(xp, Q * xp.exp(before), states)
+            out = from_state + _attend(xp, scores, V)
         else:
             scores, queries, keys, chunk_decay = _channel_gate(xp, Q, K, G)
-        decay = xp.matrix_transpose(chunk_decay)  # (..., n, width, 1): scales state rows
-        states, new_state = _prefix(xp, _increments(xp, keys, V), decay, state, chained=chained)
-        out = xp.matmul(queries, states) + _attend(xp, scores, V)
-    out = xp.reshape(out, (*batch, padded, d_v + 1))
+            decay = xp.matrix_transpose(chunk_decay)  # (..., n, d_phi, 1): scales state rows
+            increments = _increments(xp, keys, V)
+            states, new_state = _prefix(xp, increments, decay, state, chained=chained)
+            out = matmul(xp, queries, states) + _attend(xp, scores, V)
+    out = xp.reshape(out, (*out.shape[:-3], padded, d_v + 1))
     if padded != length:
         out = out[..., :length, :]
     if normalize:
@@ -188,18 +213,26 @@ def _block(
     return out[..., :d_v], new_state
 
 
-def _increments(xp: Any, K: Any, V: Any) -> Any:
+def _increments(xp: Any, K: Any, V: Any, *, weights: Any | None = None) -> Any:
     """``[K^T V, K^T 1]`` per chunk: ``K^T`` times V with a ones column, without building it.
 
     A ones column concatenated to V would be a new array the size of V, which autograd keeps
-    for the backward of both matmuls; the column sums of K are the same numbers.
+    for the backward of both matmuls; the column sums of K are the same numbers. ``weights``
+    (``(..., C, 1)``) scale the rows: ``[K^T (w V), K^T w]``. The key column has the keys'
+    leading dimensions and is broadcast into the result (grouped heads).
     """
-    return xp.concat([xp.matmul(xp.matrix_transpose(K), V), xp.sum(K, axis=-2)[..., None]], axis=-1)
+    Kt = xp.matrix_transpose(K)
+    if weights is None:
+        parts = [matmul(xp, Kt, V), xp.sum(K, axis=-2)[..., None]]
+    else:
+        parts = [matmul(xp, Kt, V * weights), matmul(xp, Kt, weights)]
+    return concat_leading(xp, parts, axis=-1)
 
 
 def _attend(xp: Any, scores: Any, V: Any) -> Any:
     """``scores @ [V, 1]``: the intra-chunk outputs and their normalizer column."""
-    return xp.concat([xp.matmul(scores, V), xp.sum(scores, axis=-1, keepdims=True)], axis=-1)
+    parts = [matmul(xp, scores, V), xp.sum(scores, axis=-1, keepdims=True)]
+    return concat_leading(xp, parts, axis=-1)
 
 
 def _sum_after(xp: Any, G: Any) -> Any:
@@ -242,11 +275,10 @@ def _prefix(
     if decay is None:
         prefix = cumulative_sum(xp, increments, axis=-3, include_initial=True)
         return prefix[..., :-1, :, :] + state[..., None, :, :], state + prefix[..., -1, :, :]
-    # Prepend (1, S_0): the inclusive scan then yields every state, the final one last.
-    values = xp.concat(
-        [xp.broadcast_to(state[..., None, :, :], (*increments.shape[:-3], 1, *state.shape[-2:])),
-         increments], axis=-3,
-    )  # fmt: skip
+    # Prepend (1, S_0): the inclusive scan then yields every state, the final one last. The
+    # increments may have fewer leading dimensions than the state (values shared by a group of
+    # query heads): the state's are the broadcast ones.
+    values = concat_leading(xp, [state[..., None, :, :], increments], axis=-3)
     factors = xp.concat([xp.ones_like(decay[..., :1, :, :]), decay], axis=-3)
     count = values.shape[-3]
     shift = 1

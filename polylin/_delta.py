@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._intra_chunk import SCORES, SOLVE, intra_chunk, scalar_gate_scores
-from ._ops import causal_mask, l2_normalize, pad_rows
+from ._ops import causal_mask, l2_normalize, matmul, pad_rows
 from ._policy import cumulative_sum, device, eager_cpu, unstack
 
 __all__ = ["BLOCK_ROWS", "delta_chunked", "delta_recurrent", "delta_step"]
@@ -54,10 +54,10 @@ def delta_step(
     """
     if decay is not None:
         S = S * decay[..., None]
-    prediction = xp.matmul(k[..., None, :], S)[..., 0, :]  # what the state recalls for k_t
+    prediction = matmul(xp, k[..., None, :], S)[..., 0, :]  # what the state recalls for k_t
     correction = beta * (v - prediction)
     S = S + k[..., :, None] * correction[..., None, :]
-    return xp.matmul(q[..., None, :], S)[..., 0, :], S
+    return matmul(xp, q[..., None, :], S)[..., 0, :], S
 
 
 def delta_recurrent(
@@ -165,7 +165,7 @@ def _block(
     G = rest[0] if rest else None
     rows = -(K * B)
     if G is None:
-        scores = xp.where(causal, xp.matmul(Q, xp.matrix_transpose(K)), 0.0)
+        scores = xp.where(causal, matmul(xp, Q, xp.matrix_transpose(K)), 0.0)
         blocks = intra_chunk(xp, K, None, [(rows, SOLVE)])
         queries = Q
     elif G.shape[-1] == 1:  # a scalar gate factors its scores: one full matmul
@@ -176,8 +176,8 @@ def _block(
         blocks = intra_chunk(xp, K, G, [(Q, SCORES), (rows, SOLVE)])
         scores, queries = blocks.matrices[0], blocks.rows[0]
     inverse, keys_rhs = blocks.matrices[-1], blocks.rows[-1]
-    U = xp.matmul(inverse, V * B)
-    Wk = xp.matmul(inverse, keys_rhs)
+    U = matmul(xp, inverse, V * B)
+    Wk = matmul(xp, inverse, keys_rhs)
     # The state recurrence across chunks is sequential: S_n feeds W_n. Each input is unstacked
     # once (one op for autograd); per chunk only W_n = U_n + Wk_n S_n and the state update remain.
     Us, Wks, Ks = (unstack(xp, x, axis=-3) for x in (U, Wk, xp.matrix_transpose(blocks.keys)))
@@ -189,10 +189,10 @@ def _block(
     states, corrections = [], []
     for n in range(len(Us)):
         states.append(S)
-        W = Us[n] + xp.matmul(Wks[n], S)
+        W = Us[n] + matmul(xp, Wks[n], S)
         corrections.append(W)
         S_kept = S if decays[n] is None else S * decays[n]
-        S = S_kept + xp.matmul(Ks[n], W)
+        S = S_kept + matmul(xp, Ks[n], W)
     starts = xp.stack(states, axis=-3)  # (..., N, d_k, d_v): the state before each chunk
     W = xp.stack(corrections, axis=-3)  # (..., N, C, d_v)
-    return xp.matmul(queries, starts) + xp.matmul(scores, W), S
+    return matmul(xp, queries, starts) + matmul(xp, scores, W), S

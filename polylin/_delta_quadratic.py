@@ -10,7 +10,7 @@ initial state and the written corrections ``w_t = beta_t (v_t - S'_t^T k_t)`` as
     S_T  = diag(exp(b_T)) S_0 + (K * exp(b_T - b))^T W
 
 The masked matrices come from the segment sums of the gate (as the masked kernel reference of
-linear attention builds its scores, :func:`polylin._quadratic.decayed_scores`), so a ``-inf``
+linear attention builds its scores, :func:`polylin._intra_chunk.segment_sums`), so a ``-inf``
 gate is an exact reset; the unit lower-triangular system is solved exactly by the log-depth
 inversion of :func:`polylin._intra_chunk.unit_lower_inverse` (the sequence zero-padded to a
 power of two). Nothing here is chunked: it is the family's independent parallel reference.
@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._intra_chunk import unit_lower_inverse
-from ._ops import causal_mask, pad_rows
-from ._policy import device
-from ._quadratic import decayed_scores
+from ._intra_chunk import scalar_gate_scores, segment_sums, unit_lower_inverse
+from ._ops import causal_mask, matmul, pad_rows
+from ._policy import cumulative_sum, device
 
 __all__ = ["delta_quadratic"]
 
@@ -40,12 +39,29 @@ def delta_quadratic(
         q, k, v, beta = (pad_rows(xp, x, size - T) for x in (q, k, v, beta))
         g = None if g is None else pad_rows(xp, g, size - T)
     rows = k * beta
-    (P, A), (queries, keys_rhs), keys_out, factor = decayed_scores(xp, [q, rows], k, g)
+    mask = causal_mask(xp, size, size, device(k))
     strict = causal_mask(xp, size, size, device(k), strict=True)
-    inverse = unit_lower_inverse(xp, xp.where(strict, -A, 0.0))  # (I + A)^{-1}
-    W = xp.matmul(inverse, v * beta - xp.matmul(keys_rhs, S))
-    out = xp.matmul(queries, S) + xp.matmul(P, W)
+    if g is None:
+        P = xp.where(mask, matmul(xp, q, xp.matrix_transpose(k)), 0.0)
+        A = xp.where(strict, matmul(xp, rows, xp.matrix_transpose(k)), 0.0)
+        queries, keys_rhs, keys_out, factor = q, rows, k, None
+    else:
+        if g.shape[-1] == 1:
+            P = scalar_gate_scores(xp, q, k, g, mask)
+            A = scalar_gate_scores(xp, rows, k, g, strict)
+        else:  # (..., T(t), T(s), d_k): one decay per channel, summed directly
+            decayed = xp.exp(segment_sums(xp, g, axis=-2)) * k[..., None, :, :]
+            P = xp.where(mask, xp.sum(q[..., :, None, :] * decayed, axis=-1), 0.0)
+            A = xp.where(strict, xp.sum(rows[..., :, None, :] * decayed, axis=-1), 0.0)
+        before = xp.exp(cumulative_sum(xp, g, axis=-2))  # from the start to t, inclusive
+        flipped = cumulative_sum(xp, xp.flip(g, axis=-2), axis=-2, include_initial=True)
+        after = xp.exp(xp.flip(flipped[..., :-1, :], axis=-2))  # from t (exclusive) to the end
+        queries, keys_rhs, keys_out = q * before, rows * before, k * after
+        factor = xp.exp(xp.sum(g, axis=-2))  # (..., 1 or d_k): the whole sequence
+    inverse = unit_lower_inverse(xp, -A)  # (I + A)^{-1}
+    W = matmul(xp, inverse, v * beta - matmul(xp, keys_rhs, S))
+    out = matmul(xp, queries, S) + matmul(xp, P, W)
     if factor is not None:
         S = factor[..., :, None] * S
-    S = S + xp.matmul(xp.matrix_transpose(keys_out), W)
+    S = S + matmul(xp, xp.matrix_transpose(keys_out), W)
     return (out if size == T else out[..., :T, :]), S

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ._ops import causal_mask
+from ._ops import broadcast_shape, causal_mask, concat_leading, matmul, stack_leading
 from ._policy import cumulative_sum, device, unstack
 
 __all__ = [
@@ -62,10 +62,7 @@ class IntraChunk(NamedTuple):
 
 def _shape(*arrays: Any) -> tuple[int, ...]:
     """The broadcast shape of the arrays' dimensions before their last (feature) axis."""
-    shapes = [tuple(x.shape[:-1]) for x in arrays]
-    rank = max(len(s) for s in shapes)
-    padded = [(1,) * (rank - len(s)) + s for s in shapes]
-    return tuple(max(sizes) for sizes in zip(*padded))
+    return broadcast_shape(*(tuple(x.shape[:-1]) for x in arrays))
 
 
 def _halves(xp: Any, x: Any, pairs: int) -> Any:
@@ -83,25 +80,14 @@ def _join(xp: Any, x: Any) -> Any:
 def _joined(xp: Any, first: Any, second: Any) -> Any:
     """The halves ``(..., pairs, h, w)`` of each block joined back to ``(..., C, w)``, their
     leading dimensions broadcast (a grouped gate decays one half per group)."""
-    lead = _shape(first[..., 0], second[..., 0])
-    first, second = (
-        x if tuple(x.shape[:-2]) == lead else xp.broadcast_to(x, (*lead, *x.shape[-2:]))
-        for x in (first, second)
-    )
-    return _join(xp, xp.stack([first, second], axis=-3))
+    return _join(xp, stack_leading(xp, [first, second], axis=-3))
 
 
 def _merge(xp: Any, upper: Any, corner: Any, lower: Any, zeros: Any) -> Any:
     """``[[upper, 0], [corner, lower]]`` for blocks ``(..., h, h)`` (leading dimensions
     broadcast: a grouped gate makes the corners per group before the diagonal blocks are)."""
-    lead = _shape(*(x[..., 0] for x in (upper, corner, lower, zeros)))
-    upper, corner, lower, zeros = (
-        x if tuple(x.shape[:-2]) == lead else xp.broadcast_to(x, (*lead, *x.shape[-2:]))
-        for x in (upper, corner, lower, zeros)
-    )
-    return xp.concat(
-        [xp.concat([upper, zeros], axis=-1), xp.concat([corner, lower], axis=-1)], axis=-2
-    )
+    top = concat_leading(xp, [upper, zeros], axis=-1)
+    return concat_leading(xp, [top, concat_leading(xp, [corner, lower], axis=-1)], axis=-2)
 
 
 def merge_inverse(xp: Any, inverse: Any, corner: Any, pairs: int) -> Any:
@@ -114,7 +100,7 @@ def merge_inverse(xp: Any, inverse: Any, corner: Any, pairs: int) -> Any:
     h = inverse.shape[-1]
     T11, T22 = unstack(xp, xp.reshape(inverse, (*inverse.shape[:-3], pairs, 2, h, h)), axis=-3)
     # 1 x 1 blocks are ones: T21 is the corner itself.
-    T21 = corner if h == 1 else xp.matmul(T22, xp.matmul(corner, T11))
+    T21 = corner if h == 1 else matmul(xp, T22, matmul(xp, corner, T11))
     # Fresh zeros: ``zeros_like`` of a strided view copies its strides and slows the concat.
     zeros = xp.zeros(T11.shape, dtype=T11.dtype, device=device(T11))
     return _merge(xp, T11, T21, T22, zeros)
@@ -152,52 +138,80 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]])
     its diagonal (0 above it) or ``"solve"`` for the unit lower-triangular ``(I - L)^{-1}``,
     ``L`` the strictly lower part of ``M`` (pass negated rows for ``(I + L)^{-1}``).
 
-    Each level costs ``O(d)`` products per token per row set and one batched matmul per row
-    set; the 1 x 1 corners of the first level are row sums (a tiny batched matmul's backward
-    costs several times as much).
+    Each level costs one batched matmul per row set and ``O(d)`` products per token per row
+    set for a per-channel gate (``O(h)`` per token for a scalar one); the 1 x 1 corners of the
+    first level are row sums (a tiny batched matmul's backward costs several times as much).
     """
     chunk = K.shape[-2]
     kinds = [kind for _, kind in rows]
     decayed = [R for R, _ in rows]  # r_t decayed from the start of its stretch to t
     keys = K  # k_s decayed from s (exclusive) to the end of its stretch
     whole = None if G is None else xp.exp(G)  # (..., C / h, w): the decay of each stretch
-    if whole is not None:
+    # A scalar gate keeps its factors apart, (..., C, 1) for the rows and the keys, and scales
+    # each h x h corner by their outer product: h^2 products per block instead of 2 h d.
+    scalar = whole is not None and whole.shape[-1] == 1
+    row_factor, key_factor = whole, None
+    if whole is not None and not scalar:
         decayed = [R * whole for R in decayed]
-    matrices = []
-    for R, kind in rows:
-        if kind == SCORES:  # s = t: undecayed
-            matrices.append(xp.sum(R * K, axis=-1)[..., None, None])
-        else:  # 1 x 1 inverses
-            shape = (*_shape(R, K), 1, 1)
-            matrices.append(xp.ones(shape, dtype=K.dtype, device=device(K)))
+    matrices: list[Any] = []
+    for R, kind in rows:  # s = t: undecayed
+        matrices.append(xp.sum(R * K, axis=-1)[..., None, None] if kind == SCORES else None)
     h = 1
     while h < chunk:
         pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
         upper_k, lower_k = unstack(xp, _halves(xp, keys, pairs), axis=-3)
         halves = [unstack(xp, _halves(xp, R, pairs), axis=-3) for R in decayed]
+        if scalar:
+            _, low_f = unstack(xp, _halves(xp, row_factor, pairs), axis=-3)
+            if key_factor is None:
+                outer = low_f
+            else:
+                up_f, _ = unstack(xp, _halves(xp, key_factor, pairs), axis=-3)
+                outer = low_f * xp.matrix_transpose(up_f)
         for i, (kind, (_, lower_r)) in enumerate(zip(kinds, halves)):
             if h == 1:
                 corner = xp.sum(lower_r * upper_k, axis=-1)[..., None]
             else:
-                corner = xp.matmul(lower_r, xp.matrix_transpose(upper_k))  # t lower, s upper
+                corner = matmul(xp, lower_r, xp.matrix_transpose(upper_k))  # t lower, s upper
+            if scalar:
+                corner = corner * outer
+            M = matrices[i]
             if kind == SCORES:
-                M = matrices[i]
                 upper, lower = unstack(xp, xp.reshape(M, (*M.shape[:-3], pairs, 2, h, h)), axis=-3)
                 matrices[i] = _merge(xp, upper, corner, lower, xp.zeros_like(upper))
+            elif M is None:  # the 2 x 2 inverses [[1, 0], [l, 1]]
+                entry = corner[..., 0, 0]
+                one, zero = xp.ones_like(entry), xp.zeros_like(entry)
+                pattern = xp.stack([one, zero, entry, one], axis=-1)
+                matrices[i] = xp.reshape(pattern, (*entry.shape, 2, 2))
             else:
-                matrices[i] = merge_inverse(xp, matrices[i], corner, pairs)
-        if whole is None:
-            keys = _joined(xp, upper_k, lower_k)
-        else:
+                matrices[i] = merge_inverse(xp, M, corner, pairs)
+        if whole is not None:
             # Stretches of 2h: a row in the second half also crosses the whole first half, a
             # key in the first half the whole second half; the other halves are unchanged (not
             # multiplied by ones: autograd keeps only the halves it multiplies).
             *g_lead, _, width = whole.shape
             first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
-            decayed = [_joined(xp, up, low * first) for up, low in halves]
-            keys = _joined(xp, upper_k * second, lower_k)
+            if scalar:
+                up_f, low_f = unstack(xp, _halves(xp, row_factor, pairs), axis=-3)
+                row_factor = _joined(xp, up_f, low_f * first)
+                if key_factor is None:
+                    key_factor = _joined(xp, second, xp.ones_like(second))
+                else:
+                    up_f, low_f = unstack(xp, _halves(xp, key_factor, pairs), axis=-3)
+                    key_factor = _joined(xp, up_f * second, low_f)
+            else:
+                decayed = [_joined(xp, up, low * first) for up, low in halves]
+                keys = _joined(xp, upper_k * second, lower_k)
             whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
+    if scalar:
+        decayed = [R * row_factor for R in decayed]
+        keys = K if key_factor is None else K * key_factor
+    matrices = [
+        xp.ones((*_shape(R, K), 1, 1), dtype=K.dtype, device=device(K)) if M is None else M
+        for M, (R, _) in zip(matrices, rows)
+    ]  # C = 1
     matrices = [xp.reshape(M, (*M.shape[:-3], chunk, chunk)) for M in matrices]
     return IntraChunk(matrices, decayed, keys, whole)
 
@@ -228,4 +242,4 @@ def scalar_gate_scores(xp: Any, R: Any, K: Any, G: Any, mask: Any) -> Any:
     ``s < t`` for a strictly lower matrix).
     """
     decay = xp.exp(segment_sums(xp, G[..., 0], axis=-1))  # (..., C, C), in [0, 1]
-    return xp.where(mask, xp.matmul(R, xp.matrix_transpose(K)) * decay, 0.0)
+    return xp.where(mask, matmul(xp, R, xp.matrix_transpose(K)) * decay, 0.0)

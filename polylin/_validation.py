@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ._ops import broadcast_shape
 from ._policy import array_namespace, is_array, is_tracer, unsupported_array
 from ._policy import device as device_of
 
@@ -131,18 +132,11 @@ def broadcast_shapes(shapes: dict[str, tuple]) -> tuple:
     of 1 stretches); a ``ValueError`` naming the arguments and their shapes if they do not
     broadcast. Only shapes are combined: nothing is copied.
     """
-    rank = max((len(s) for s in shapes.values()), default=0)
-    result: list[int] = []
-    for axis in range(-rank, 0):
-        sizes = {s[axis] for s in shapes.values() if len(s) >= -axis} - {1}
-        if len(sizes) > 1:
-            listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
-            raise ValueError(
-                f"the leading dimensions of {listed} do not broadcast (axis {axis} has sizes "
-                f"{sorted(sizes)}; each must equal the others or be 1)"
-            )
-        result.append(sizes.pop() if sizes else 1)
-    return tuple(result)
+    try:
+        return broadcast_shape(*shapes.values())
+    except ValueError as exc:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"the leading dimensions of {listed} do not broadcast ({exc})") from None
 
 
 def check_qkv(
@@ -355,7 +349,9 @@ def check_state(
 
     A given state must be in the work dtype already (float32 for 16-bit inputs, else the
     inputs' dtype): a silent cast would lose precision one way, or change the results of a
-    higher-precision computation the other. Shape errors say what most likely went wrong: a
+    higher-precision computation the other. Its leading dimensions broadcast to
+    ``batch_shape`` (a state shared by a batch, or by grouped heads): it is returned broadcast,
+    a view. Shape errors say what most likely went wrong: a
     decoding token that still has its length-1 T axis (``token_shape``: the shape of ``q_t`` in a
     decoding step), or a state built with another feature map.
     """
@@ -384,7 +380,16 @@ def check_state(
             )
     S_shape, z_shape = tuple(S.shape), tuple(z.shape)
     want = (*batch_shape, d_phi, d_v)
-    if S_shape != want or z_shape != (*batch_shape, d_phi):
+
+    def fits(got: tuple, expected: tuple, core: int) -> bool:  # the leading axes broadcast
+        lead, full = got[: len(got) - core], expected[: len(expected) - core]
+        return (
+            got[len(got) - core :] == expected[len(expected) - core :]
+            and len(lead) <= len(full)
+            and all(g in (1, f) for g, f in zip(reversed(lead), reversed(full)))
+        )
+
+    if not (fits(S_shape, want, 2) and fits(z_shape, (*batch_shape, d_phi), 1)):
         if (
             token_shape is not None
             and token_shape[-2:-1] == (1,)
@@ -402,9 +407,17 @@ def check_state(
                     f"feature_map gives {d_phi} for these inputs; pass the same feature_map "
                     "that built the state"
                 )
-        for part, got, expected in (("S", S_shape, want), ("z", z_shape, (*batch_shape, d_phi))):
-            if got != expected:
-                raise ValueError(f"{name}.{part} must have shape {expected}, got {got}")
+        parts = (("S", S_shape, want, 2), ("z", z_shape, (*batch_shape, d_phi), 1))
+        for part, got, expected, core in parts:
+            if not fits(got, expected, core):
+                raise ValueError(
+                    f"{name}.{part} must have shape {expected} (leading axes of size 1 "
+                    f"broadcast), got {got}"
+                )
+    if S_shape != want:
+        S = xp.broadcast_to(S, want)
+    if z_shape != want[:-1]:
+        z = xp.broadcast_to(z, want[:-1])
     return S, z
 
 

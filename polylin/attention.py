@@ -8,6 +8,7 @@ from itertools import pairwise
 from ._chunked import causal_chunked
 from ._decay import check_log_decay, check_normalize, pack_log_decay, standard_log_decay
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
+from ._ops import matmul
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import apply_feature_map, finish, select
 from ._quadratic import quadratic
@@ -68,7 +69,10 @@ def causal_linear_attention(
         Queries and keys, shape ``(..., T, d_k)``, any number of leading batch/head dimensions
         (with ``seq_axis``, T may sit on another axis: ``(B, T, H, d_k)`` with ``seq_axis=1``).
     v : array
-        Values, shape ``(..., T, d_v)``, the same leading dimensions and dtype.
+        Values, shape ``(..., T, d_v)``, the same dtype. The leading dimensions of ``q``, ``k``
+        and ``v`` broadcast against each other (grouped heads: ``q, k`` of ``(B, H, 1, T, d_k)``
+        against ``v`` of ``(B, H, G, T, d_v)``, never copied per group); the output and the
+        state have the broadcast ones.
     feature_map : callable, optional
         Positive feature map applied to ``q`` and ``k``; default
         :func:`polylin.feature_maps.elu_plus_one`. If it has a ``map_query`` method, that maps the
@@ -87,7 +91,8 @@ def causal_linear_attention(
         in the work dtype (at least its smallest normal number: ``1.2e-38`` for float32).
     initial_state : LinearAttentionState, optional
         State ``(S, z)`` to continue from, shapes ``(..., d_phi, d_v)`` and ``(..., d_phi)``
-        (``...``: the inputs' leading dimensions without T), in the work dtype. With
+        (``...``: the inputs' broadcast leading dimensions without T; size-1 axes broadcast),
+        in the work dtype. With
         ``cu_seqlens`` there is one per sequence: ``(..., N, d_phi, d_v)``.
     return_state : bool
         Also return the state after the last token.
@@ -309,11 +314,11 @@ def linear_attention(
     fq, fk = apply_feature_map(inputs, feature_map, select(xp, query_mask, q), k)
     fk = select(xp, mask, fk)
     v = inputs.to_work_dtype(v)
-    S = xp.matmul(xp.matrix_transpose(fk), v)
-    out = xp.matmul(fq, S)
+    S = matmul(xp, xp.matrix_transpose(fk), v)
+    out = matmul(xp, fq, S)
     if normalize:
         z = xp.sum(fk, axis=-2)
-        out = out / (xp.matmul(fq, z[..., None]) + eps)
+        out = out / (matmul(xp, fq, z[..., None]) + eps)
     return layout.restore(finish(inputs, out, query_mask))
 
 
