@@ -1,0 +1,350 @@
+"""polylin.compat on PyTorch CPU: transformers' models and fla's naive ops, ratios in one run.
+
+    python benchmarks/compat.py [--lengths 2048 8192] [--repeats 3] [--json out.json] [--quick]
+
+Two parts, float32, default threads:
+
+- **models**: Qwen3-Next and Kimi-Linear built from transformers' config classes with random
+  weights, hidden size 512, 4 layers (3 linear-attention, 1 full-attention), batch 1. Each is
+  timed on transformers' pure-PyTorch fallback kernels (``use_transformers_fallback``) and on
+  polylin (``use_polylin``), alternating: prefill (``model(ids)`` under ``no_grad``) at each
+  length; greedy decoding per token with the model's cache (``generate`` of 32 tokens after a
+  16-token prompt, divided by 32); forward + backward of a training step (``loss.backward()``) at
+  the first length. The logits are checked to agree (1e-4 relative) before timing.
+- **ops**: each ``polylin.compat.fla`` chunk function against fla's own pure-PyTorch naive form
+  of the same op (``fla/ops/<family>/naive.py``, loaded by path), B = 1, H = 4, d = 64, at the
+  first length; outputs checked equal (float32 round-off) first.
+
+Reported: ratios of medians of the same run (transformers / polylin, naive / compat: above 1
+means polylin is faster). On a machine shared with other jobs absolute times are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polylin.compat import fla
+from polylin.compat.transformers import use_polylin, use_transformers_fallback
+
+VOCAB = 1024
+
+
+def models(hidden: int, layers: int) -> dict[str, Callable[[], Any]]:
+    """Builders of the two model families at ``hidden`` size (heads of 64, as the configs use)."""
+    import transformers
+
+    heads = hidden // 64
+    types = ["linear_attention"] * (layers - 1) + ["full_attention"]
+
+    def qwen3_next() -> Any:
+        config = transformers.Qwen3NextConfig(
+            vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+            num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 4),
+            head_dim=64, linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads,
+            linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+            shared_expert_intermediate_size=hidden // 2, layer_types=types,
+        )  # fmt: skip
+        return transformers.Qwen3NextForCausalLM(config)
+
+    def kimi_linear() -> Any:
+        config = transformers.KimiLinearConfig(
+            vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+            moe_intermediate_size=hidden // 2, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=64,
+            qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, num_local_experts=4,
+            num_experts_per_tok=2, linear_head_dim=64, linear_num_heads=heads, layer_types=types,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        return transformers.KimiLinearForCausalLM(config)
+
+    return {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear}
+
+
+def alternate(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each call, the calls timed in alternation (one warm-up each)."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+MEASUREMENTS = ("prefill", "decode", "train")
+
+
+def bench_models(
+    lengths: list[int],
+    hidden: int,
+    layers: int,
+    repeats: int,
+    *,
+    names: list[str] | None = None,
+    measurements: tuple[str, ...] = MEASUREMENTS,
+    train_length: int | None = None,
+) -> list[dict]:
+    rows = []
+    for name, build in models(hidden, layers).items():
+        if names is not None and name not in names:
+            continue
+        torch.manual_seed(0)
+        reference = use_transformers_fallback(build().float().eval())
+        model = use_polylin(copy.deepcopy(reference))
+        pair = {"transformers": reference, "polylin": model}
+        ids = torch.randint(3, VOCAB, (1, lengths[0]), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want, got = reference(ids[:, :256]).logits, model(ids[:, :256]).logits
+        error = float((got - want).abs().max() / want.abs().max())
+        if error > 1e-4:
+            raise AssertionError(
+                f"{name}: polylin's logits differ from transformers' by {error:.2e}"
+            )
+        for length in lengths if "prefill" in measurements else []:
+            ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(1))
+
+            def prefill(m: Any, ids: Any = ids) -> Any:
+                with torch.no_grad():
+                    return m(ids).logits
+
+            t = alternate({k: functools.partial(prefill, m) for k, m in pair.items()}, repeats)
+            rows.append(row(name, "prefill", length, t))
+            progress(rows[-1])
+        prompt = ids[:, :16]
+        new = 32
+
+        def decode(m: Any, prompt: Any = prompt, new: int = new) -> Any:
+            with torch.no_grad():
+                return m.generate(
+                    prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    use_cache=True, pad_token_id=0,
+                )  # fmt: skip
+
+        if "decode" in measurements:
+            t = alternate({k: functools.partial(decode, m) for k, m in pair.items()}, repeats)
+            rows.append(row(name, "decode per token", 16, {k: v / new for k, v in t.items()}))
+            progress(rows[-1])
+        if "train" not in measurements:
+            continue
+        length = train_length or lengths[0]
+        ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(2))
+
+        def train(m: Any, ids: Any = ids) -> None:
+            m.zero_grad()
+            m(ids, labels=ids).loss.backward()
+
+        for m in pair.values():
+            m.train()
+        t = alternate({k: functools.partial(train, m) for k, m in pair.items()}, repeats)
+        rows.append(row(name, "forward+backward", length, t))
+        progress(rows[-1])
+    return rows
+
+
+def row(model: str, what: str, length: int, t: dict[str, float]) -> dict:
+    base, ours = ("transformers", "polylin") if "transformers" in t else ("naive", "compat")
+    return {
+        "model": model, "what": what, "T": length, "seconds": t,
+        "speedup": t[base] / t[ours],
+    }  # fmt: skip
+
+
+def progress(r: dict) -> None:
+    seconds = " ".join(f"{k}={v:.4g}s" for k, v in r["seconds"].items())
+    print(
+        f"{r['model']:>26} {r['what']:>18} T={r['T']:>5}  x{r['speedup']:.2f}  {seconds}",
+        flush=True,
+    )
+
+
+def fla_naive(family: str) -> Any:
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("fla-core is not installed (the bench extra pins fla-core==0.6.0)")
+    path = Path(spec.submodule_search_locations[0]) / "ops" / family / "naive.py"
+    module_spec = importlib.util.spec_from_file_location(f"fla_naive_{family}", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+#: The compat chunk functions timed against fla's naive form of the same op.
+OPS = ("linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule", "kda")
+
+#: fla's naive function each is timed against (fla ships no chunked naive GLA).
+NAIVE = {
+    "linear_attn": "naive_chunk_linear_attn",
+    "simple_gla": "naive_chunk_simple_gla",
+    "gla": "naive_recurrent_gla",
+    "delta_rule": "delta_rule_chunkwise",
+    "gated_delta_rule": "naive_chunk_gated_delta_rule",
+    "kda": "naive_chunk_kda",
+}
+
+
+def bench_ops(length: int, repeats: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    B, T, H, D = 1, length, 4, 64
+    q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
+    unit = torch.nn.functional.normalize(k, dim=-1)
+    beta = torch.rand(B, T, H, generator=g)
+    g_head = -torch.rand(B, T, H, generator=g) * 0.1
+    g_chan = -torch.rand(B, T, H, D, generator=g) * 0.1
+    cases = {
+        "linear_attn": (
+            lambda: fla.chunk_linear_attn(q, k, v, normalize=False)[0],
+            lambda: fla_naive("linear_attn").naive_chunk_linear_attn(q, k, v),
+        ),
+        "simple_gla": (
+            lambda: fla.chunk_simple_gla(q, k, v, g_head)[0],
+            lambda: fla_naive("simple_gla").naive_chunk_simple_gla(q, k, v, g_head)[0],
+        ),
+        "gla": (
+            lambda: fla.chunk_gla(q, k, v, g_chan)[0],
+            lambda: fla_naive("gla").naive_recurrent_gla(q, k, v, g_chan)[0],
+        ),
+        "delta_rule": (
+            lambda: fla.chunk_delta_rule(q, unit, v, beta)[0],
+            lambda: (
+                fla_naive("delta_rule")
+                .delta_rule_chunkwise(*(x.transpose(1, 2) for x in (q, unit, v, beta)))[0]
+                .transpose(1, 2)
+            ),
+        ),
+        "gated_delta_rule": (
+            lambda: fla.chunk_gated_delta_rule(q, unit, v, g_head, beta)[0],
+            lambda: fla_naive("gated_delta_rule").naive_chunk_gated_delta_rule(
+                q, unit, v, g_head, beta
+            )[0],
+        ),
+        "kda": (
+            lambda: fla.chunk_kda(q, unit, v, g_chan, beta)[0],
+            lambda: fla_naive("kda").naive_chunk_kda(q, unit, v, g_chan, beta)[0],
+        ),
+    }
+    assert set(cases) == set(OPS)
+    rows = []
+    for name, (ours, naive) in cases.items():
+        with torch.no_grad():
+            got, want = ours(), naive()
+        error = float((got - want).abs().max() / want.abs().max())
+        if error > 1e-3:
+            raise AssertionError(f"{name}: compat and fla's naive form differ by {error:.2e}")
+
+        def timed(fn: Callable[[], Any]) -> Callable[[], Any]:
+            def call() -> Any:
+                with torch.no_grad():
+                    return fn()
+
+            return call
+
+        t = alternate({"naive": timed(naive), "compat": timed(ours)}, repeats)
+        rows.append(row(f"fla.chunk_{name}", "forward", length, t) | {"naive": NAIVE[name]})
+        progress(rows[-1])
+    return rows
+
+
+def markdown(result: dict) -> dict[str, str]:
+    """The docs' tables: ``compat_models.md`` and ``compat_ops.md`` (ratios, then seconds)."""
+    models = [
+        "| model | measurement | T | transformers (s) | polylin (s) | speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
+    ops = [
+        "| compat function | fla's naive form | T | naive (s) | compat (s) | speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if "transformers" in r["seconds"]:
+            t = r["seconds"]
+            models.append(
+                f"| {r['model']} | {r['what']} | {r['T']} | {t['transformers']:.4g} | "
+                f"{t['polylin']:.4g} | {r['speedup']:.2f}x |"
+            )
+        else:
+            t = r["seconds"]
+            ops.append(
+                f"| `{r['model']}` | `{r['naive']}` | {r['T']} | {t['naive']:.4g} | "
+                f"{t['compat']:.4g} | {r['speedup']:.2f}x |"
+            )
+    note = (
+        f"\ntorch {result['torch']}, transformers {result['transformers']}, fla "
+        f"{result['fla']}, {result['threads']} threads; `{result['command']}`.\n"
+    )
+    return {"compat_models.md": "\n".join(models) + "\n" + note,
+            "compat_ops.md": "\n".join(ops) + "\n" + note}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", default=["models", "ops"], choices=["models", "ops"])
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--models", nargs="+", default=None, choices=["qwen3_next", "kimi_linear"])
+    parser.add_argument(
+        "--measurements", nargs="+", default=list(MEASUREMENTS), choices=MEASUREMENTS
+    )
+    parser.add_argument("--train-length", type=int, default=None, help="default: the first length")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (the test suite)")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="write the docs' tables into this folder"
+    )
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="tables from an earlier run's JSON"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.hidden, args.layers, args.repeats = [64], 64, 2, 1
+    if args.from_json is not None:
+        result = json.loads(args.from_json.read_text())
+        write_tables(result, args.markdown)
+        return result
+    import transformers
+
+    result = {
+        "command": " ".join(["python benchmarks/compat.py", *(argv or sys.argv[1:])]),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "fla": fla.FLA_VERSION, "threads": torch.get_num_threads(),
+        "rows": [],
+    }  # fmt: skip
+    if "models" in args.parts:
+        result["rows"] += bench_models(
+            args.lengths, args.hidden, args.layers, args.repeats, names=args.models,
+            measurements=tuple(args.measurements), train_length=args.train_length,
+        )  # fmt: skip
+    if "ops" in args.parts:
+        result["rows"] += bench_ops(args.lengths[0], args.repeats)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+    write_tables(result, args.markdown)
+    return result
+
+
+def write_tables(result: dict, folder: Path | None) -> None:
+    if folder is not None:
+        for name, text in markdown(result).items():
+            (folder / name).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

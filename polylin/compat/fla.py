@@ -1,0 +1,1313 @@
+"""flash-linear-attention's ops, computed by polylin: ``from polylin.compat import fla``.
+
+Each function has the name, signature, defaults, layout and return value of the fla 0.6.0 op of
+the same name (``fla.ops.<family>.chunk`` / ``fused_recurrent``): inputs ``(B, T, H, d)``,
+values and gates with ``HV`` heads (a multiple of ``H``: grouped value heads), ``scale=None``
+meaning ``d_k ** -0.5``, states ``(N, HV, d_k, d_v)``, ``cu_seqlens`` offsets with ``B == 1``,
+and a return value ``(o, final_state or None)``. They take arrays of any array-API library
+(NumPy, PyTorch on CPU or GPU, JAX, CuPy, ...) and return the inputs' library, device and
+dtype. ``chunk_*`` run polylin's chunked form, ``fused_recurrent_*`` its per-token recurrence:
+the same function either way.
+
+They translate arguments only: every number comes from :func:`polylin.causal_linear_attention`
+or :func:`polylin.delta_rule_attention`. An fla option polylin does not compute (a gate applied
+inside the kernel, reverse scans, context parallelism) raises ``NotImplementedError`` naming it.
+See the documentation page "Coming from flash-linear-attention".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .._policy import array_namespace, device
+from .._state import LinearAttentionState
+from .._typing import Array
+from ..attention import causal_linear_attention
+from ..delta_rule import delta_rule_attention
+from ._fla_args import (
+    FlaHeads,
+    ScaledQuery,
+    common_dtype,
+    default_scale,
+    offsets_of,
+    pop_chunk_size,
+    reject,
+    reject_head_first,
+    state_v_first_alias,
+    work_dtype,
+)
+
+__all__ = [
+    "FLA_VERSION",
+    "chunk_delta_rule",
+    "chunk_gated_delta_rule",
+    "chunk_gla",
+    "chunk_kda",
+    "chunk_linear_attn",
+    "chunk_retention",
+    "chunk_simple_gla",
+    "fused_recurrent_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_gla",
+    "fused_recurrent_kda",
+    "fused_recurrent_linear_attn",
+    "fused_recurrent_simple_gla",
+]
+
+#: The flash-linear-attention release whose signatures these functions follow.
+FLA_VERSION = "0.6.0"
+
+#: fla's normalized linear attention adds this to ``q . z``.
+_FLA_NORMALIZER_EPS = 1e-10
+
+Result = tuple[Array, Any]
+
+
+# --------------------------------------------------------------------------------------------
+# The linear-attention family: causal_linear_attention(..., log_decay=..., normalize=...)
+# --------------------------------------------------------------------------------------------
+
+
+def _linear_family(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    log_decay: Any,
+    scale: float | None,
+    initial_state: Any,
+    output_final_state: bool,
+    normalize: bool,
+    cu_seqlens: Any,
+    cu_seqlens_cpu: Any = None,
+    state_v_first: bool = False,
+    method: str,
+    chunk_size: int = 64,
+) -> Result:
+    """One fla linear-attention op as one :func:`polylin.causal_linear_attention` call."""
+    kv_init, z_init = initial_state, None
+    if normalize and isinstance(initial_state, tuple):
+        kv_init, z_init = initial_state
+    offsets = offsets_of(cu_seqlens, cu_seqlens_cpu)
+    heads = FlaHeads.of(q, k, v, offsets, kv_init if kv_init is not None else z_init)
+    dtype = work_dtype(heads.xp, q.dtype)
+    state = None
+    if kv_init is not None or z_init is not None:
+        n_states = len(offsets) - 1 if offsets is not None else heads.batch
+        d_k, d_v = k.shape[-1], v.shape[-1]
+        S = heads.state_in(kv_init, dtype, v_first=state_v_first)
+        if S is None:
+            S = heads.zeros_state(n_states, (d_k, d_v), dtype, device(q))
+        if z_init is None:
+            z = heads.zeros_state(n_states, (d_k,), dtype, device(q))
+        else:
+            z = heads.normalizer_in(z_init, dtype)
+        state = LinearAttentionState(S, z)
+    o, final = causal_linear_attention(
+        heads.query_key(q),
+        heads.query_key(k),
+        heads.per_value_head(v, "v"),
+        ScaledQuery(default_scale(scale, k.shape[-1])),
+        method=method,
+        chunk_size=chunk_size,
+        eps=_FLA_NORMALIZER_EPS,
+        initial_state=state,
+        return_state=True,
+        cu_seqlens=offsets,
+        seq_axis=heads.seq_axis,
+        log_decay=heads.per_value_head(log_decay, "g"),
+        normalize=normalize,
+    )
+    o = heads.output(o)
+    S_out = heads.state_out(final.S, v_first=state_v_first) if output_final_state else None
+    if normalize:
+        return o, (S_out, heads.normalizer_out(final.z))
+    return o, S_out
+
+
+def chunk_linear_attn(
+    q: Array,
+    k: Array,
+    v: Array,
+    scale: float | None = None,
+    initial_state: Array | tuple | None = None,
+    output_final_state: bool = False,
+    normalize: bool = True,
+    cu_seqlens: Array | None = None,
+) -> Result:
+    """Compute fla's ``chunk_linear_attn``: ``o_t = scale q_t S_t``, normalized by default.
+
+    ``S_t = sum_{s<=t} k_s v_s^T`` and, with ``normalize``, ``o_t`` is divided by
+    ``scale q_t . z_t + 1e-10`` with ``z_t = sum_{s<=t} k_s``. fla applies no feature map.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array or (array, array), optional
+        ``(N, H, K, V)``; with ``normalize`` a tuple ``(kv_state, z_state)``, ``z_state`` of shape
+        ``(N, 1, H, K)``.
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    normalize : bool
+        Divide by ``scale q_t . z_t + 1e-10``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or (array, array) or None
+        ``(N, H, K, V)`` if ``output_final_state``; with ``normalize`` the tuple
+        ``(kv_state or None, z_state)``, as fla returns it.
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_linear_attn
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 1, 6, 2, 4))
+    >>> o, (S, z) = chunk_linear_attn(q, k, v, output_final_state=True)
+    >>> o.shape, S.shape, z.shape
+    ((1, 6, 2, 4), (1, 2, 4, 4), (1, 1, 2, 4))
+    """
+    return _linear_family(
+        q, k, v, log_decay=None, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, normalize=normalize, cu_seqlens=cu_seqlens,
+        method="chunked",
+    )  # fmt: skip
+
+
+def fused_recurrent_linear_attn(
+    q: Array,
+    k: Array,
+    v: Array,
+    scale: float | None = None,
+    initial_state: Array | tuple | None = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    normalize: bool = False,
+    cu_seqlens: Array | None = None,
+) -> Result:
+    """Compute fla's ``fused_recurrent_linear_attn``: :func:`chunk_linear_attn`, token by token.
+
+    ``normalize`` defaults to False here, as in fla.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array or (array, array), optional
+        ``(N, H, K, V)``; with ``normalize`` a tuple ``(kv_state, z_state)``.
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    reverse : bool
+        Scan from the end: not supported (``NotImplementedError`` when True).
+    normalize : bool
+        Divide by ``scale q_t . z_t + 1e-10``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or (array, array) or None
+        As for :func:`chunk_linear_attn`.
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_linear_attn, fused_recurrent_linear_attn
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 1, 6, 2, 4))
+    >>> o, _ = fused_recurrent_linear_attn(q, k, v)
+    >>> bool(np.allclose(o, chunk_linear_attn(q, k, v, normalize=False)[0]))
+    True
+    """
+    reject("fused_recurrent_linear_attn", reverse=(reverse, False))
+    return _linear_family(
+        q, k, v, log_decay=None, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, normalize=normalize, cu_seqlens=cu_seqlens,
+        method="recurrent",
+    )  # fmt: skip
+
+
+def _simple_gate(op: str, g: Any, g_gamma: Any, q: Any) -> Any:
+    """fla's head-wise gate: ``g`` ``(B, T, H)`` per token or ``g_gamma`` ``(H,)`` per head."""
+    if g is not None and g_gamma is not None:
+        raise ValueError(f"{op}: pass one of `g` or `g_gamma`, not both")
+    if g_gamma is None:
+        return g
+    return array_namespace(q).reshape(g_gamma, (1, 1, g_gamma.shape[0]))
+
+
+def chunk_simple_gla(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array | None = None,
+    g_gamma: Array | None = None,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Array | None = None,
+    cu_seqlens_cpu: Array | None = None,
+    **kwargs: Any,
+) -> Result:
+    """Compute fla's ``chunk_simple_gla``: one decay per head and token.
+
+    ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    g : array, optional
+        Log decay per token and head, ``(B, T, H)``.
+    g_gamma : array, optional
+        Log decay per head, ``(H,)``, instead of ``g``.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
+        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    state_v_first : bool
+        States stored value-first, ``(..., V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+    **kwargs
+        ``chunk_size`` (a power of 2); ``head_first`` raises fla's ``DeprecationWarning``; any other
+        option raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_simple_gla
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 8, 2, 4))
+    >>> g = -rng.uniform(0, 1, (2, 8, 2))
+    >>> o, state = chunk_simple_gla(q, k, v, g, output_final_state=True)
+    >>> o.shape, state.shape
+    ((2, 8, 2, 4), (2, 2, 4, 4))
+    """
+    reject_head_first(kwargs)
+    chunk_size = pop_chunk_size("chunk_simple_gla", kwargs, None)
+    reject("chunk_simple_gla", kwargs)
+    return _linear_family(
+        q, k, v, log_decay=_simple_gate("chunk_simple_gla", g, g_gamma, q), scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, normalize=False,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
+        method="chunked", chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+def fused_recurrent_simple_gla(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array | None = None,
+    g_gamma: Array | None = None,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Array | None = None,
+    **kwargs: Any,
+) -> Result:
+    """Compute fla's ``fused_recurrent_simple_gla``: :func:`chunk_simple_gla`, token by token.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    g : array, optional
+        Log decay per token and head, ``(B, T, H)``.
+    g_gamma : array, optional
+        Log decay per head, ``(H,)``, instead of ``g``.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
+        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    reverse : bool
+        Scan from the end: not supported (``NotImplementedError`` when True).
+    state_v_first : bool
+        States stored value-first, ``(..., V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    **kwargs
+        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
+        raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_simple_gla, fused_recurrent_simple_gla
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> g = -rng.uniform(0, 1, (1, 8, 2))
+    >>> o, _ = fused_recurrent_simple_gla(q, k, v, g)
+    >>> bool(np.allclose(o, chunk_simple_gla(q, k, v, g)[0]))
+    True
+    """
+    state_v_first = state_v_first_alias(kwargs, state_v_first)
+    reject("fused_recurrent_simple_gla", kwargs, reverse=(reverse, False))
+    return _linear_family(
+        q, k, v, log_decay=_simple_gate("fused_recurrent_simple_gla", g, g_gamma, q),
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        normalize=False, cu_seqlens=cu_seqlens, state_v_first=state_v_first, method="recurrent",
+    )  # fmt: skip
+
+
+def chunk_gla(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Array | None = None,
+    cu_seqlens_cpu: Array | None = None,
+) -> Result:
+    """Compute fla's ``chunk_gla`` (gated linear attention): one decay per key channel.
+
+    ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    g : array
+        Log decay per token, head and key channel, ``(B, T, H, K)``.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
+        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    state_v_first : bool
+        States stored value-first, ``(..., V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_gla, fused_recurrent_gla
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> g = -rng.uniform(0, 1, (1, 8, 2, 4))
+    >>> o, _ = chunk_gla(q, k, v, g)
+    >>> bool(np.allclose(o, fused_recurrent_gla(q, k, v, g)[0]))
+    True
+    """
+    return _linear_family(
+        q, k, v, log_decay=g, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, normalize=False, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first, method="chunked",
+    )  # fmt: skip
+
+
+def fused_recurrent_gla(
+    q: Array,
+    k: Array,
+    v: Array,
+    gk: Array | None = None,
+    gv: Array | None = None,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Array | None = None,
+    **kwargs: Any,
+) -> Result:
+    """Compute fla's ``fused_recurrent_gla``: :func:`chunk_gla`, token by token.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    gk : array, optional
+        Log decay per key channel, ``(B, T, H, K)``.
+    gv : array, optional
+        Value gates: not supported (``NotImplementedError``).
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
+        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    reverse : bool
+        Scan from the end: not supported (``NotImplementedError`` when True).
+    state_v_first : bool
+        States stored value-first, ``(..., V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    **kwargs
+        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
+        raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import fused_recurrent_gla
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> gk = -rng.uniform(0, 1, (1, 8, 2, 4))
+    >>> fused_recurrent_gla(q, k, v, gk)[0].shape
+    (1, 8, 2, 4)
+    """
+    state_v_first = state_v_first_alias(kwargs, state_v_first)
+    reject("fused_recurrent_gla", kwargs, gv=(gv, None), reverse=(reverse, False))
+    return _linear_family(
+        q, k, v, log_decay=gk, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, normalize=False, cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first, method="recurrent",
+    )  # fmt: skip
+
+
+def chunk_retention(
+    q: Array,
+    k: Array,
+    v: Array,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Array | None = None,
+    **kwargs: Any,
+) -> Result:
+    """Compute fla's ``chunk_retention`` (RetNet): :func:`chunk_simple_gla` with fixed decays.
+
+    Head ``h`` decays by ``1 - 2 ** (-5 - h)`` per token, as fla defines it.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        ``(N, H, K, V)``.
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    **kwargs
+        ``chunk_size`` (a power of 2); ``head_first`` raises fla's ``DeprecationWarning``; any other
+        option raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_retention
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 1, 8, 2, 4))
+    >>> chunk_retention(q, k, v)[0].shape
+    (1, 8, 2, 4)
+    """
+    reject_head_first(kwargs)
+    chunk_size = pop_chunk_size("chunk_retention", kwargs, None)
+    reject("chunk_retention", kwargs)
+    heads = FlaHeads.of(q, k, v, None, None)
+    # RetNet's per-head decays, as fla's chunk_retention defines them (in float32).
+    gammas = [math.log(1.0 - 2.0 ** (-5.0 - h)) for h in range(heads.heads)]
+    g_gamma = heads.xp.asarray(gammas, dtype=heads.xp.float32, device=device(q))
+    return _linear_family(
+        q, k, v, log_decay=_simple_gate("chunk_retention", None, g_gamma, q), scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, normalize=False,
+        cu_seqlens=cu_seqlens, method="chunked", chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# The delta family: delta_rule_attention(..., log_decay=...)
+# --------------------------------------------------------------------------------------------
+
+
+def _delta_family(
+    op: str,
+    q: Any,
+    k: Any,
+    v: Any,
+    beta: Any,
+    g: Any,
+    *,
+    scale: float | None,
+    initial_state: Any,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: Any,
+    cu_seqlens_cpu: Any = None,
+    state_v_first: bool = False,
+    method: str,
+    chunk_size: int = 64,
+) -> Result:
+    """One fla delta-rule op as one :func:`polylin.delta_rule_attention` call."""
+    offsets = offsets_of(cu_seqlens, cu_seqlens_cpu)
+    heads = FlaHeads.of(q, k, v, offsets, initial_state)
+    xp = heads.xp
+    out_dtype, dtype = q.dtype, common_dtype(xp, q, k, v, beta, g)
+    q, k, v, beta, g = (
+        xp.astype(x, dtype) if x is not None and x.dtype != dtype else x for x in (q, k, v, beta, g)
+    )
+    o, S = delta_rule_attention(
+        heads.query_key(q),
+        heads.query_key(k),
+        heads.per_value_head(v, "v"),
+        1.0 if beta is None else heads.per_value_head(beta, "beta"),
+        log_decay=heads.per_value_head(g, "g"),
+        scale=default_scale(scale, k.shape[-1]),
+        qk_l2norm=bool(use_qk_l2norm_in_kernel),
+        method=method,
+        chunk_size=chunk_size,
+        initial_state=heads.state_in(initial_state, work_dtype(xp, dtype), v_first=state_v_first),
+        return_state=True,
+        cu_seqlens=offsets,
+        seq_axis=heads.seq_axis,
+    )
+    o = heads.output(o if o.dtype == out_dtype else xp.astype(o, out_dtype))
+    final = heads.state_out(S, v_first=state_v_first) if output_final_state else None
+    return o, final
+
+
+def chunk_delta_rule(
+    q: Array,
+    k: Array,
+    v: Array,
+    beta: Array,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Array | None = None,
+    cu_seqlens_cpu: Array | None = None,
+    **kwargs: Any,
+) -> Result:
+    """Compute fla's ``chunk_delta_rule`` (DeltaNet).
+
+    ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``, ``o_t = scale S_t^T q_t``.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``; unit keys (or ``use_qk_l2norm_in_kernel``) keep the
+        recurrence stable.
+    v : array
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
+    beta : array
+        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    use_qk_l2norm_in_kernel : bool
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+    **kwargs
+        ``chunk_size`` (16, 32 or 64); ``head_first`` raises fla's ``DeprecationWarning``; any other
+        option raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_delta_rule, fused_recurrent_delta_rule
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> beta = rng.uniform(0, 1, (1, 8, 2))
+    >>> o, _ = chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True)
+    >>> o_r, _ = fused_recurrent_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True)
+    >>> bool(np.allclose(o, o_r))
+    True
+    """
+    reject_head_first(kwargs)
+    chunk_size = pop_chunk_size("chunk_delta_rule", kwargs, (16, 32, 64))
+    reject("chunk_delta_rule", kwargs)
+    return _delta_family(
+        "chunk_delta_rule", q, k, v, beta, None, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, method="chunked",
+        chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+def fused_recurrent_delta_rule(
+    q: Array,
+    k: Array,
+    v: Array,
+    beta: Array | None = None,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Array | None = None,
+) -> Result:
+    """Compute fla's ``fused_recurrent_delta_rule``: :func:`chunk_delta_rule`, token by token.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
+    beta : array, optional
+        The learning rate per token, ``(B, T, HV)``; ``None`` means 1, as in fla.
+    scale : float, optional
+        Multiplies the queries, positive; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    use_qk_l2norm_in_kernel : bool
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import fused_recurrent_delta_rule
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> o, S = fused_recurrent_delta_rule(
+    ...     q, k, v, use_qk_l2norm_in_kernel=True, output_final_state=True
+    ... )
+    >>> o.shape, S.shape
+    ((1, 8, 2, 4), (1, 2, 4, 4))
+    """
+    if scale is not None and not scale > 0:
+        raise ValueError("scale must be positive")
+    return _delta_family(
+        "fused_recurrent_delta_rule", q, k, v, beta, None, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        method="recurrent",
+    )  # fmt: skip
+
+
+def _reject_gate_options(op: str, kwargs: dict[str, Any], **given: tuple[Any, Any]) -> None:
+    """fla's in-kernel activations (``A_log``, ``dt_bias``, sigmoid of ``beta``): unsupported."""
+    use_beta_sigmoid, _ = given.get("use_beta_sigmoid_in_kernel", (False, False))
+    allow_neg, _ = given.get("allow_neg_eigval", (False, False))
+    if allow_neg and not use_beta_sigmoid:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    reject(op, kwargs, **given)
+
+
+def chunk_gated_delta_rule(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Array | None = None,
+    cu_seqlens_cpu: Array | None = None,
+    chunk_indices: Array | None = None,
+    cp_context: Any | None = None,
+    **kwargs: Any,
+) -> Result:
+    """Compute fla's ``chunk_gated_delta_rule`` (Gated DeltaNet).
+
+    ``S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T`` with ``a_t = exp(g_t)``,
+    ``o_t = scale S_t^T q_t``.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
+    g : array
+        Log decay per token and value head, ``(B, T, HV)`` (``<= 0``).
+    beta : array
+        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    use_qk_l2norm_in_kernel : bool
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
+        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
+    state_v_first : bool
+        States stored value-first, ``(N, HV, V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+    chunk_indices : array, optional
+        The precomputed varlen chunk table of fla, derived from ``cu_seqlens``: ignored.
+    cp_context : object, optional
+        Context parallelism: not supported.
+    **kwargs
+        ``chunk_size`` (16, 32 or 64); ``head_first`` raises fla's ``DeprecationWarning``; any
+        other option raises ``NotImplementedError`` naming it (``use_gate_in_kernel``,
+        ``A_log``, ``dt_bias`` among them: compute ``g`` first).
+
+    Returns
+    -------
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_gated_delta_rule
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((2, 2, 8, 2, 4))
+    >>> v = rng.standard_normal((2, 8, 4, 3))      # 4 value heads on 2 query/key heads
+    >>> g = -rng.uniform(0, 1, (2, 8, 4))          # log decay
+    >>> beta = rng.uniform(0, 1, (2, 8, 4))        # learning rate
+    >>> o, state = chunk_gated_delta_rule(
+    ...     q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True
+    ... )
+    >>> o.shape, state.shape
+    ((2, 8, 4, 3), (2, 4, 4, 3))
+    """
+    state_v_first = state_v_first_alias(kwargs, state_v_first)
+    reject_head_first(kwargs)
+    chunk_size = pop_chunk_size("chunk_gated_delta_rule", kwargs, (16, 32, 64))
+    _reject_gate_options(
+        "chunk_gated_delta_rule", kwargs,
+        use_beta_sigmoid_in_kernel=(use_beta_sigmoid_in_kernel, False),
+        allow_neg_eigval=(allow_neg_eigval, False), cp_context=(cp_context, None),
+    )  # fmt: skip
+    return _delta_family(
+        "chunk_gated_delta_rule", q, k, v, beta, g, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
+        method="chunked", chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+def fused_recurrent_gated_delta_rule(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array | None = None,
+    gk: Array | None = None,
+    gv: Array | None = None,
+    beta: Array | None = None,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Array | None = None,
+    **kwargs: Any,
+) -> Result:
+    """Compute fla's ``fused_recurrent_gated_delta_rule``: the gated delta rule, token by token.
+
+    :func:`chunk_gated_delta_rule` computes the same function in chunks.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
+    g : array, optional
+        Log decay per token and value head, ``(B, T, HV)``.
+    gk : array, optional
+        Log decay per key channel, ``(B, T, HV, K)`` (the KDA transition, as
+        :func:`fused_recurrent_kda`); not together with ``g``.
+    gv : array, optional
+        Value gates: not supported.
+    beta : array, optional
+        The learning rate per token, ``(B, T, HV)``; ``None`` means 1.
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    use_qk_l2norm_in_kernel : bool
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    use_gate_in_kernel : bool
+        Not supported: compute ``g`` first.
+    A_log, dt_bias : array, optional
+        The in-kernel gate's parameters: not supported.
+    use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
+        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
+    state_v_first : bool
+        States stored value-first, ``(N, HV, V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    **kwargs
+        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
+        raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 9, 2, 4))
+    >>> g, beta = -rng.uniform(0, 1, (1, 9, 2)), rng.uniform(0, 1, (1, 9, 2))
+    >>> prefill, S = chunk_gated_delta_rule(
+    ...     q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], output_final_state=True
+    ... )
+    >>> o_t, S = fused_recurrent_gated_delta_rule(
+    ...     q[:, 8:], k[:, 8:], v[:, 8:], g=g[:, 8:], beta=beta[:, 8:], initial_state=S,
+    ...     output_final_state=True,
+    ... )
+    >>> whole, _ = chunk_gated_delta_rule(q, k, v, g, beta)
+    >>> bool(np.allclose(o_t, whole[:, 8:]))
+    True
+    """
+    state_v_first = state_v_first_alias(kwargs, state_v_first)
+    op = "fused_recurrent_gated_delta_rule"
+    _reject_gate_options(
+        op, kwargs, gv=(gv, None), use_gate_in_kernel=(use_gate_in_kernel, False),
+        A_log=(A_log, None), dt_bias=(dt_bias, None),
+        use_beta_sigmoid_in_kernel=(use_beta_sigmoid_in_kernel, False),
+        allow_neg_eigval=(allow_neg_eigval, False),
+    )  # fmt: skip
+    if g is not None and gk is not None:
+        raise NotImplementedError(f"polylin.compat.fla.{op} does not support `g` and `gk` together")
+    return _delta_family(
+        op, q, k, v, beta, gk if gk is not None else g, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first, method="recurrent",
+    )  # fmt: skip
+
+
+def chunk_kda(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Array | None = None,
+    cu_seqlens_cpu: Array | None = None,
+    cp_context: Any | None = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs: Any,
+) -> Result:
+    """Compute fla's ``chunk_kda`` (Kimi Delta Attention): the delta rule, a decay per key channel.
+
+    ``S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``,
+    ``o_t = scale S_t^T q_t``.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
+    g : array
+        Log decay per token, value head and key channel, ``(B, T, HV, K)``.
+    beta : array
+        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    use_qk_l2norm_in_kernel : bool
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    use_gate_in_kernel : bool
+        Not supported: compute ``g`` first.
+    use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
+        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
+    safe_gate : bool
+        A speed hint of fla for bounded gates: accepted, ignored.
+    lower_bound : float, optional
+        The in-kernel gate's bound: not supported.
+    disable_recompute : bool
+        A memory/speed trade-off of fla: accepted, ignored.
+    return_intermediate_states : bool
+        Not supported.
+    state_v_first : bool
+        States stored value-first, ``(N, HV, V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+    cp_context : object, optional
+        Context parallelism: not supported.
+    use_graph : bool
+        CUDA graph capture: not supported.
+    max_num_seqs : int, optional
+        Used with ``use_graph`` only: not supported.
+    **kwargs
+        ``chunk_size`` (32 or 64); ``head_first`` raises fla's ``DeprecationWarning``; any other
+        option raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_kda, fused_recurrent_kda
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> g = -rng.uniform(0, 1, (1, 8, 2, 4))
+    >>> beta = rng.uniform(0, 1, (1, 8, 2))
+    >>> o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    >>> o_r, _ = fused_recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    >>> bool(np.allclose(o, o_r))
+    True
+    """
+    state_v_first = state_v_first_alias(kwargs, state_v_first)
+    chunk_size = pop_chunk_size("chunk_kda", kwargs, (32, 64))
+    _reject_gate_options(
+        "chunk_kda", kwargs, use_gate_in_kernel=(use_gate_in_kernel, False),
+        use_beta_sigmoid_in_kernel=(use_beta_sigmoid_in_kernel, False),
+        allow_neg_eigval=(allow_neg_eigval, False), lower_bound=(lower_bound, None),
+        return_intermediate_states=(return_intermediate_states, False),
+        cp_context=(cp_context, None), use_graph=(use_graph, False),
+        max_num_seqs=(max_num_seqs, None),
+    )  # fmt: skip
+    return _delta_family(
+        "chunk_kda", q, k, v, beta, g, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
+        method="chunked", chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+def fused_recurrent_kda(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: Array | None = None,
+    **kwargs: Any,
+) -> Result:
+    """Compute fla's ``fused_recurrent_kda``: :func:`chunk_kda`, token by token.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
+        ``HV // H`` consecutive value heads).
+    g : array
+        Log decay per token, value head and key channel, ``(B, T, HV, K)``.
+    beta : array
+        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
+    A_log, dt_bias : array, optional
+        The in-kernel gate's parameters: not supported (compute ``g`` first).
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    use_qk_l2norm_in_kernel : bool
+        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    use_gate_in_kernel : bool
+        Not supported.
+    use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
+        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
+    lower_bound : float, optional
+        The in-kernel gate's bound: not supported.
+    state_v_first : bool
+        States stored value-first, ``(N, HV, V, K)``.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    **kwargs
+        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
+        raises ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
+        not the number of sequences with ``cu_seqlens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import fused_recurrent_kda
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> g = -rng.uniform(0, 1, (1, 8, 2, 4))
+    >>> beta = rng.uniform(0, 1, (1, 8, 2))
+    >>> fused_recurrent_kda(q, k, v, g, beta)[0].shape
+    (1, 8, 2, 4)
+    """
+    state_v_first = state_v_first_alias(kwargs, state_v_first)
+    _reject_gate_options(
+        "fused_recurrent_kda", kwargs, A_log=(A_log, None), dt_bias=(dt_bias, None),
+        use_gate_in_kernel=(use_gate_in_kernel, False),
+        use_beta_sigmoid_in_kernel=(use_beta_sigmoid_in_kernel, False),
+        allow_neg_eigval=(allow_neg_eigval, False), lower_bound=(lower_bound, None),
+    )  # fmt: skip
+    return _delta_family(
+        "fused_recurrent_kda", q, k, v, beta, g, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens, state_v_first=state_v_first, method="recurrent",
+    )  # fmt: skip

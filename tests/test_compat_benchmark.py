@@ -1,0 +1,33 @@
+"""benchmarks/compat.py at tiny sizes: every row is measured, after its outputs were checked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch", reason="the compat benchmark times PyTorch models")
+pytest.importorskip("transformers", reason="transformers is not installed (the hf extra)")
+pytest.importorskip("einops", reason="fla's naive forms need einops (the bench extra)")
+if __import__("importlib.util").util.find_spec("fla") is None:
+    pytest.skip("fla-core is not installed (the bench extra)", allow_module_level=True)
+
+from benchmarks import compat
+
+
+def test_quick_run_records_every_row(tmp_path):
+    out = tmp_path / "compat.json"
+    result = compat.main(["--quick", "--json", str(out), "--markdown", str(tmp_path)])
+    assert json.loads(out.read_text()) == result
+    rows = {(r["model"], r["what"]) for r in result["rows"]}
+    for model in ("qwen3_next", "kimi_linear"):
+        for what in ("prefill", "decode per token", "forward+backward"):
+            assert (model, what) in rows
+    ops = {r["model"] for r in result["rows"] if r["what"] == "forward"}
+    assert ops == {f"fla.chunk_{name}" for name in compat.OPS}
+    for r in result["rows"]:
+        assert r["speedup"] > 0 and all(t > 0 for t in r["seconds"].values())
+    assert result["transformers"] and result["fla"] == "0.6.0"
+    tables = (tmp_path / "compat_models.md").read_text(), (tmp_path / "compat_ops.md").read_text()
+    assert "| qwen3_next | prefill | 64 |" in tables[0]
+    assert "`fla.chunk_gated_delta_rule` | `naive_chunk_gated_delta_rule`" in tables[1]
