@@ -1,0 +1,346 @@
+"""The Gated DeltaNet block (Yang, Kautz and Hatamizadeh, 2024) on the gated delta rule."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._ops import l2_normalize
+from .._policy import DEFAULT_CHUNK_SIZE, array_namespace
+from ..activations import sigmoid, silu, softplus
+from ..delta_rule import DELTA_METHODS, delta_rule_attention, delta_rule_step
+from ._blocks import (
+    LayerCache,
+    RMSNorm,
+    ShortConvolution,
+    check_cache,
+    check_hidden,
+    convolve,
+    convolve_step,
+    inverse_softplus_dt,
+    padding_mask,
+    positive_int,
+    token_mask,
+)
+
+__all__ = ["GatedDeltaNet"]
+
+
+class GatedDeltaNet(nn.Module):
+    r"""Gated DeltaNet: projections, short convolutions, the gated delta rule, a gated RMSNorm.
+
+    For ``x`` of shape ``(batch, T, hidden_size)``:
+
+    1. ``q, k`` = ``q_proj(x), k_proj(x)`` (``num_heads`` heads of ``head_dim``), ``v`` =
+       ``v_proj(x)`` (``num_v_heads`` heads of ``head_v_dim = head_dim * expand_v``); each
+       through its short causal convolution and SiLU (:func:`polylin.causal_conv1d`; without
+       ``use_short_conv``, SiLU alone).
+    2. ``q`` and ``k`` L2-normalized per head, ``q`` scaled by ``head_dim ** -0.5``; with
+       ``num_v_heads > num_heads`` each query/key head serves ``num_v_heads // num_heads``
+       consecutive value heads.
+    3. ``beta = sigmoid(b_proj(x))`` (times 2 with ``allow_neg_eigval``) and the gate
+       ``g = -exp(A_log) * softplus(a_proj(x) + dt_bias)``, one per token and value head.
+    4. :func:`polylin.delta_rule_attention` (``S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t -
+       exp(g_t) S_{t-1}^T k_t)^T``, ``o_t = S_t^T q_t``).
+    5. ``o_norm``: RMSNorm per value head, times ``silu(g_proj(x))`` with ``use_gate``
+       (:func:`polylin.rms_norm`); then ``o_proj``.
+
+    The options and parameter names are those of ``fla.layers.GatedDeltaNet``; a state dict of
+    one loads into the other.
+
+    Parameters
+    ----------
+    hidden_size : int
+        Size of ``x``'s last axis and of the output.
+    expand_v : float
+        ``head_v_dim = head_dim * expand_v`` (must be an integer).
+    head_dim : int
+        Size of each query/key head.
+    num_heads : int
+        Number of query/key heads.
+    num_v_heads : int, optional
+        Number of value heads (a multiple of ``num_heads``); default ``num_heads``.
+    method : {"chunked", "recurrent"}
+        Algorithm of the forward pass (see :func:`polylin.delta_rule_attention`).
+    chunk_size : int
+        Chunk length of the chunked form.
+    use_gate : bool
+        Gate the output norm with ``silu(g_proj(x))``.
+    use_short_conv : bool
+        Short convolutions on ``q``, ``k`` and ``v``.
+    allow_neg_eigval : bool
+        ``beta`` in ``(0, 2)`` instead of ``(0, 1)``.
+    conv_size : int
+        Width of the short convolutions.
+    conv_bias : bool
+        Whether they have a bias.
+    norm_eps : float
+        ``eps`` of the output RMSNorm.
+    device, dtype : optional
+        Where and in which dtype to create the parameters.
+
+    Attributes
+    ----------
+    q_proj, k_proj : torch.nn.Linear
+        ``hidden_size -> key_dim = num_heads * head_dim``, no bias.
+    v_proj : torch.nn.Linear
+        ``hidden_size -> value_dim = num_v_heads * head_v_dim``, no bias.
+    a_proj, b_proj : torch.nn.Linear
+        ``hidden_size -> num_v_heads``, no bias.
+    A_log, dt_bias : torch.nn.Parameter
+        ``(num_v_heads,)``.
+    q_conv1d, k_conv1d, v_conv1d : ShortConvolution
+        Weights ``(key_dim, 1, conv_size)``, ``(key_dim, 1, conv_size)`` and
+        ``(value_dim, 1, conv_size)`` (with ``use_short_conv``).
+    g_proj : torch.nn.Linear
+        ``hidden_size -> value_dim``, no bias (with ``use_gate``).
+    o_norm : RMSNorm
+        Weight ``(head_v_dim,)``.
+    o_proj : torch.nn.Linear
+        ``value_dim -> hidden_size``, no bias.
+
+    Notes
+    -----
+    Parameters: ``hidden_size * (2 key_dim + (2 if use_gate else 1) value_dim + 2 num_v_heads)``
+    for the input projections, ``value_dim * hidden_size`` for ``o_proj``, ``2 num_v_heads``
+    for ``A_log`` and ``dt_bias``, ``(2 key_dim + value_dim) * conv_size`` (plus as many biases
+    with ``conv_bias``) for the convolutions, ``head_v_dim`` for ``o_norm``.
+
+    The cache is a :class:`LayerCache`: the states of ``q_conv1d``, ``k_conv1d`` and
+    ``v_conv1d`` (``(batch, conv_size - 1, key_dim)`` twice and ``(batch, conv_size - 1,
+    value_dim)``) and ``S`` of shape ``(batch, num_v_heads, head_dim, head_v_dim)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from polylin.torch import GatedDeltaNet
+    >>> _ = torch.manual_seed(0)
+    >>> layer = GatedDeltaNet(hidden_size=64, num_heads=2, head_dim=16)
+    >>> x = torch.randn(2, 12, 64)
+    >>> layer(x).shape
+    torch.Size([2, 12, 64])
+
+    Prefill, then decode token by token: the outputs of one pass over the whole sequence.
+
+    >>> y, cache = layer(x[:, :8], return_cache=True)
+    >>> steps = []
+    >>> for t in range(8, 12):
+    ...     y_t, cache = layer.step(x[:, t], cache)
+    ...     steps.append(y_t)
+    >>> torch.allclose(torch.stack(steps, dim=1), layer(x)[:, 8:], atol=1e-5)
+    True
+    """
+
+    def __init__(
+        self,
+        hidden_size: int = 2048,
+        expand_v: float = 2,
+        head_dim: int = 256,
+        num_heads: int = 6,
+        num_v_heads: int | None = None,
+        *,
+        method: str = "chunked",
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        use_gate: bool = True,
+        use_short_conv: bool = True,
+        allow_neg_eigval: bool = False,
+        conv_size: int = 4,
+        conv_bias: bool = False,
+        norm_eps: float = 1e-5,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("hidden_size", hidden_size), ("head_dim", head_dim), ("num_heads", num_heads),
+            ("conv_size", conv_size), ("chunk_size", chunk_size),
+        ):  # fmt: skip
+            positive_int(name, value)
+        num_v_heads = num_heads if num_v_heads is None else positive_int("num_v_heads", num_v_heads)
+        if num_v_heads % num_heads:
+            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of {num_heads=}")
+        head_v_dim = head_dim * expand_v
+        if not math.isclose(head_v_dim, round(head_v_dim)) or round(head_v_dim) < 1:
+            raise ValueError(
+                f"head_dim * expand_v = {head_dim} * {expand_v} must be a positive integer"
+            )
+        if method not in DELTA_METHODS:
+            raise ValueError(f"method must be one of {DELTA_METHODS}, got {method!r}")
+        self.hidden_size, self.expand_v, self.head_dim = hidden_size, expand_v, head_dim
+        self.num_heads, self.num_v_heads = num_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_dim, round(head_v_dim)
+        self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * self.head_v_dim
+        self.method, self.chunk_size = method, chunk_size
+        self.use_gate, self.use_short_conv = use_gate, use_short_conv
+        self.allow_neg_eigval, self.conv_size, self.conv_bias = (
+            allow_neg_eigval,
+            conv_size,
+            conv_bias,
+        )
+        self.norm_eps = norm_eps
+        kw = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **kw)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **kw)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False, **kw)
+        self.a_proj = nn.Linear(hidden_size, num_v_heads, bias=False, **kw)
+        self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False, **kw)
+        A = torch.empty(num_v_heads, device=device).uniform_(0, 16)
+        self.A_log = nn.Parameter(torch.log(A).to(dtype or torch.get_default_dtype()))
+        self.dt_bias = nn.Parameter(
+            inverse_softplus_dt(num_v_heads, device=device).to(dtype or torch.get_default_dtype())
+        )
+        if use_short_conv:
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, **kw)
+            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, **kw)
+            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, **kw)
+        else:
+            warnings.warn(
+                "use_short_conv=False: the short convolutions matter for Gated DeltaNet's "
+                "quality; turn them off only on purpose",
+                stacklevel=2,
+            )
+        if use_gate:
+            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False, **kw)
+        self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps, **kw)
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
+
+    def extra_repr(self) -> str:
+        """The options, shown by ``print(layer)``."""
+        return (
+            f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
+            f"num_v_heads={self.num_v_heads}, head_dim={self.head_dim}, "
+            f"head_v_dim={self.head_v_dim}, method={self.method!r}"
+        )
+
+    def _convs(self) -> list[ShortConvolution]:
+        return [self.q_conv1d, self.k_conv1d, self.v_conv1d] if self.use_short_conv else []
+
+    def _qkv(
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None, *, one: bool
+    ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+        """q, k, v after their convolutions, split into heads (``one``: a single token)."""
+        projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        states = None if cache is None else cache.conv_state
+        if self.use_short_conv:
+            run = convolve_step if one else convolve
+            projected, conv_state = run(self._convs(), projected, mask, states)
+        else:
+            projected, conv_state = [silu(p) for p in projected], ()
+        lead = x.shape[:-1]
+        q, k = (p.view(*lead, self.num_heads, self.head_k_dim) for p in projected[:2])
+        v = projected[2].view(*lead, self.num_v_heads, self.head_v_dim)
+        xp = array_namespace(q)
+        q = l2_normalize(xp, q) * self.head_k_dim**-0.5
+        k = l2_normalize(xp, k)
+        group = self.num_v_heads // self.num_heads
+        if group > 1:  # query/key head h serves value heads h * group ... h * group + group - 1
+            q, k = (
+                t.unsqueeze(-2).expand(*lead, self.num_heads, group, self.head_k_dim)
+                .reshape(*lead, self.num_v_heads, self.head_k_dim)
+                for t in (q, k)
+            )  # fmt: skip
+        return [q, k, v], conv_state
+
+    def _coefficients(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``beta`` and the log decay per token and value head, ``(..., num_v_heads, 1)``."""
+        beta = sigmoid(self.b_proj(x))
+        if self.allow_neg_eigval:
+            beta = 2.0 * beta
+        g = -torch.exp(self.A_log) * softplus(self.a_proj(x) + self.dt_bias)
+        return beta.to(dtype).unsqueeze(-1), g.to(dtype).unsqueeze(-1)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gate = None
+        if self.use_gate:
+            gate = self.g_proj(x).view(*x.shape[:-1], self.num_v_heads, self.head_v_dim)
+        o = self.o_norm(o, gate)
+        return self.o_proj(o.reshape(*x.shape[:-1], self.value_dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+        return_cache: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, LayerCache]:
+        """The block over a whole sequence (training, prefill).
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            ``(batch, T, hidden_size)``.
+        attention_mask : torch.Tensor, optional
+            ``(batch, T)``, True (or 1) for real tokens: left or right padding. Padded tokens
+            are selected away before the first projection: they reach no real output, no
+            convolution state and no recurrent state, and their outputs are 0.
+        cache : LayerCache, optional
+            The cache after earlier tokens, to continue from.
+        return_cache : bool
+            Also return the cache after the last token.
+
+        Returns
+        -------
+        torch.Tensor or (torch.Tensor, LayerCache)
+            ``(batch, T, hidden_size)``, and the cache with ``return_cache``.
+        """
+        check_hidden(x, "x", 3, self.hidden_size)
+        check_cache(cache, len(self._convs()))
+        batch, T, _ = x.shape
+        mask = padding_mask(attention_mask, batch, T)
+        if mask is not None:
+            x = torch.where(mask[..., None], x, 0.0)
+        (q, k, v), conv_state = self._qkv(x, mask, cache, one=False)
+        beta, g = self._coefficients(x, q.dtype)
+        o, S = delta_rule_attention(
+            q, k, v, beta, log_decay=g, method=self.method, chunk_size=self.chunk_size,
+            initial_state=None if cache is None else cache.recurrent_state,
+            return_state=True, attention_mask=mask, seq_axis=1,
+        )  # fmt: skip
+        out = self._output(o, x)
+        return (out, LayerCache(conv_state, S)) if return_cache else out
+
+    def step(
+        self,
+        x_t: torch.Tensor,
+        cache: LayerCache | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LayerCache]:
+        """One new token per sequence, from the cache of the tokens before it.
+
+        Parameters
+        ----------
+        x_t : torch.Tensor
+            ``(batch, hidden_size)``.
+        cache : LayerCache, optional
+            From ``forward(..., return_cache=True)`` or an earlier ``step``; ``None`` starts
+            from an empty sequence.
+        attention_mask : torch.Tensor, optional
+            ``(batch,)``: the rows that take this token. The others (finished sequences) keep
+            their cache and output 0, whatever ``x_t`` holds there.
+
+        Returns
+        -------
+        y_t : torch.Tensor
+            ``(batch, hidden_size)``.
+        cache : LayerCache
+            The cache after this token.
+        """
+        check_hidden(x_t, "x_t", 2, self.hidden_size)
+        check_cache(cache, len(self._convs()))
+        mask = token_mask(attention_mask, x_t.shape[0])
+        if mask is not None:
+            x_t = torch.where(mask[:, None], x_t, 0.0)
+        (q, k, v), conv_state = self._qkv(x_t, mask, cache, one=True)
+        beta, g = self._coefficients(x_t, q.dtype)
+        S0 = None if cache is None else cache.recurrent_state
+        o, S = delta_rule_step(q, k, v, beta, S0, log_decay=g)
+        y = self._output(o, x_t)
+        if mask is not None:
+            S = torch.where(mask[:, None, None, None], S, 0.0 if S0 is None else S0)
+            y = torch.where(mask[:, None], y, 0.0)
+        return y, LayerCache(conv_state, S)
