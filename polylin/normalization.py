@@ -68,8 +68,9 @@ def rms_norm(
     >>> x = np.array([[3.0, -4.0]])                 # rms = sqrt((9 + 16) / 2)
     >>> rms_norm(x, eps=1e-12).round(4)
     array([[ 0.8485, -1.1314]])
-    >>> rms_norm(x, np.array([1.0, 2.0]), gate=np.array([[0.0, 50.0]]), eps=1e-12).round(4)
-    array([[ 0.    , -2.2627]])
+    >>> gate = np.array([[0.0, 50.0]])               # silu(0) = 0, silu(50) = 50
+    >>> rms_norm(x, np.array([1.0, 2.0]), gate=gate, eps=1e-12).round(4)
+    array([[   0.    , -113.1371]])
     """
     arrays = {"x": x}
     if weight is not None:

@@ -171,8 +171,8 @@ class RMSNorm(nn.Module):
     >>> import torch
     >>> from polylin.torch import RMSNorm
     >>> norm = RMSNorm(4)
-    >>> norm(torch.tensor([[3.0, -4.0, 3.0, -4.0]])).round(decimals=4)
-    tensor([[ 0.8485, -1.1314,  0.8485, -1.1314]], grad_fn=<MulBackward0>)
+    >>> norm(torch.tensor([[3.0, -4.0, 3.0, -4.0]])).detach().round(decimals=4)
+    tensor([[ 0.8485, -1.1314,  0.8485, -1.1314]])
     """
 
     def __init__(
