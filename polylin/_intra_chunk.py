@@ -44,6 +44,7 @@ __all__ = [
     "merge_inverse",
     "scalar_gate_scores",
     "segment_sums",
+    "unit_lower_inverse",
 ]
 
 #: The kinds of matrix :func:`intra_chunk` builds from a set of rows.
@@ -79,8 +80,25 @@ def _join(xp: Any, x: Any) -> Any:
     return xp.reshape(x, (*lead, 2 * pairs * half, width))
 
 
+def _joined(xp: Any, first: Any, second: Any) -> Any:
+    """The halves ``(..., pairs, h, w)`` of each block joined back to ``(..., C, w)``, their
+    leading dimensions broadcast (a grouped gate decays one half per group)."""
+    lead = _shape(first[..., 0], second[..., 0])
+    first, second = (
+        x if tuple(x.shape[:-2]) == lead else xp.broadcast_to(x, (*lead, *x.shape[-2:]))
+        for x in (first, second)
+    )
+    return _join(xp, xp.stack([first, second], axis=-3))
+
+
 def _merge(xp: Any, upper: Any, corner: Any, lower: Any, zeros: Any) -> Any:
-    """``[[upper, 0], [corner, lower]]`` for blocks ``(..., h, h)``."""
+    """``[[upper, 0], [corner, lower]]`` for blocks ``(..., h, h)`` (leading dimensions
+    broadcast: a grouped gate makes the corners per group before the diagonal blocks are)."""
+    lead = _shape(*(x[..., 0] for x in (upper, corner, lower, zeros)))
+    upper, corner, lower, zeros = (
+        x if tuple(x.shape[:-2]) == lead else xp.broadcast_to(x, (*lead, *x.shape[-2:]))
+        for x in (upper, corner, lower, zeros)
+    )
     return xp.concat(
         [xp.concat([upper, zeros], axis=-1), xp.concat([corner, lower], axis=-1)], axis=-2
     )
@@ -102,9 +120,29 @@ def merge_inverse(xp: Any, inverse: Any, corner: Any, pairs: int) -> Any:
     return _merge(xp, T11, T21, T22, zeros)
 
 
-def intra_chunk(
-    xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]]
-) -> IntraChunk:
+def unit_lower_inverse(xp: Any, L: Any) -> Any:
+    """``(I - L)^{-1}`` for a given strictly lower-triangular ``L`` ``(..., C, C)``, C a power
+    of two: the levels of :func:`merge_inverse` with each level's lower-left quadrants taken
+    from ``L`` (one ``take`` of the flattened matrix per level, no slice in a loop).
+    """
+    size = L.shape[-1]
+    lead = L.shape[:-2]
+    flat = xp.reshape(L, (*lead, size * size))
+    inverse = xp.ones((*lead, size, 1, 1), dtype=L.dtype, device=device(L))
+    h = 1
+    while h < size:
+        pairs = size // (2 * h)
+        block = xp.arange(pairs, device=device(L))[:, None, None] * (2 * h * size + 2 * h)
+        row = xp.arange(h, device=device(L))[None, :, None] * size
+        col = xp.arange(h, device=device(L))[None, None, :]
+        index = xp.reshape(block + row + col + h * size, (pairs * h * h,))
+        corner = xp.reshape(xp.take(flat, index, axis=-1), (*lead, pairs, h, h))
+        inverse = merge_inverse(xp, inverse, corner, pairs)
+        h *= 2
+    return xp.reshape(inverse, (*lead, size, size))
+
+
+def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]]) -> IntraChunk:
     """The decayed intra-chunk matrices of several row sets against the keys ``K``, and the
     factors that carry the state across the chunk (module docstring).
 
@@ -144,22 +182,20 @@ def intra_chunk(
                 corner = xp.matmul(lower_r, xp.matrix_transpose(upper_k))  # t lower, s upper
             if kind == SCORES:
                 M = matrices[i]
-                upper, lower = unstack(
-                    xp, xp.reshape(M, (*M.shape[:-3], pairs, 2, h, h)), axis=-3
-                )
+                upper, lower = unstack(xp, xp.reshape(M, (*M.shape[:-3], pairs, 2, h, h)), axis=-3)
                 matrices[i] = _merge(xp, upper, corner, lower, xp.zeros_like(upper))
             else:
                 matrices[i] = merge_inverse(xp, matrices[i], corner, pairs)
         if whole is None:
-            keys = _join(xp, xp.stack([upper_k, lower_k], axis=-3))
+            keys = _joined(xp, upper_k, lower_k)
         else:
             # Stretches of 2h: a row in the second half also crosses the whole first half, a
             # key in the first half the whole second half; the other halves are unchanged (not
             # multiplied by ones: autograd keeps only the halves it multiplies).
             *g_lead, _, width = whole.shape
             first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
-            decayed = [_join(xp, xp.stack([up, low * first], axis=-3)) for up, low in halves]
-            keys = _join(xp, xp.stack([upper_k * second, lower_k], axis=-3))
+            decayed = [_joined(xp, up, low * first) for up, low in halves]
+            keys = _joined(xp, upper_k * second, lower_k)
             whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
     matrices = [xp.reshape(M, (*M.shape[:-3], chunk, chunk)) for M in matrices]

@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from itertools import pairwise
+from numbers import Real
 from typing import Any
 
 from ._delta import delta_chunked, delta_recurrent, delta_step
+from ._delta_quadratic import delta_quadratic
 from ._layout import DEFAULT_SEQ_AXIS, SequenceLayout, standard_layout
+from ._ops import l2_normalize
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import finish
 from ._typing import Array
@@ -32,7 +35,7 @@ from ._varlen import length_mask, pack, unpack
 __all__ = ["DELTA_METHODS", "delta_rule_attention", "delta_rule_step"]
 
 #: The algorithms of :func:`delta_rule_attention`; they compute the same function.
-DELTA_METHODS = ("chunked", "recurrent")
+DELTA_METHODS = ("chunked", "recurrent", "quadratic")
 
 #: Python-float ``beta`` must lie here: for a unit key each step then shrinks the state
 #: (eigenvalue ``1 - beta`` along the key), the condition for a stable recurrence.
@@ -51,13 +54,29 @@ def _in_standard_layout(layout: SequenceLayout, name: str, x: Any) -> Any:
     return layout.to_standard(**{name: x})[0]
 
 
-def _log_decay(inputs: AttentionInputs, log_decay: Any, shape: tuple) -> Any | None:
+def _log_decay(inputs: AttentionInputs, log_decay: Any, shape: tuple, d_k: int) -> Any | None:
+    """``log_decay`` as ``shape`` (a trailing 1: one gate per token) or with a trailing ``d_k``
+    (one gate per key channel) when the array's last axis is ``d_k``."""
     if log_decay is None:
         return None
+    shape_of = getattr(log_decay, "shape", ())
+    if len(shape_of) >= 1 and shape_of[-1] == d_k != 1:
+        shape = (*shape[:-1], d_k)
     g = check_coefficient(inputs, log_decay, shape, name="log_decay", bounds=_LOG_DECAY_BOUNDS)
     # A decay never amplifies: this keeps every exponential the algorithms form <= 1. A
     # selection rather than ``minimum``, whose gradient is halved where ``g == 0`` on PyTorch.
     return inputs.xp.where(g > 0.0, 0.0, g)
+
+
+def _check_scale_and_norm(scale: Any, qk_l2norm: Any) -> float:
+    """``scale`` must be a finite real number, ``qk_l2norm`` a bool; returns ``float(scale)``."""
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if not isinstance(qk_l2norm, bool):
+        raise TypeError(f"qk_l2norm must be True or False, got {type(qk_l2norm).__name__}")
+    return float(scale)
 
 
 def _run(
@@ -68,8 +87,10 @@ def _run(
     *,
     method: str,
     chunk_size: int,
+    scale: float,
+    qk_l2norm: bool,
 ) -> tuple[Any, Any]:
-    """Mask by selection, run one algorithm, zero the masked outputs."""
+    """Mask by selection, run one algorithm, scale and zero the masked outputs."""
     q, k, v, beta, *rest = arrays
     g = rest[0] if rest else None
     if keep is not None:
@@ -77,10 +98,15 @@ def _run(
         # (writes nothing) and log decay 0 (does not decay the state).
         q, k, v, beta = (xp.where(keep, x, 0.0) for x in (q, k, v, beta))
         g = None if g is None else xp.where(keep, g, 0.0)
-    if method == "chunked":
-        out, S = delta_chunked(xp, q, k, v, beta, g, S, chunk_size=chunk_size)
+    if method == "chunked":  # normalizes q and k block by block (delta_chunked)
+        out, S = delta_chunked(xp, q, k, v, beta, g, S, chunk_size=chunk_size, qk_l2norm=qk_l2norm)
     else:
-        out, S = delta_recurrent(xp, q, k, v, beta, g, S)
+        if qk_l2norm:
+            q, k = l2_normalize(xp, q), l2_normalize(xp, k)
+        form = delta_recurrent if method == "recurrent" else delta_quadratic
+        out, S = form(xp, q, k, v, beta, g, S)
+    if scale != 1.0:  # o_t = S_t^T (scale q_t) = scale (S_t^T q_t); the state is unchanged
+        out = out * scale
     if keep is not None:
         out = xp.where(keep, out, 0.0)
     return out, S
@@ -94,6 +120,8 @@ def delta_rule_attention(
     /,
     *,
     log_decay: Array | None = None,
+    scale: float = 1.0,
+    qk_l2norm: bool = False,
     method: str = "chunked",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     initial_state: Array | None = None,
@@ -193,6 +221,7 @@ def delta_rule_attention(
     check_options(eps=DEFAULT_EPS, chunk_size=chunk_size)  # an Integral >= 1, not a tracer
     chunk_size = int(chunk_size)
     check_method(method, DELTA_METHODS)
+    scale = _check_scale_and_norm(scale, qk_l2norm)
     beta = _in_standard_layout(layout, "beta", beta)
     log_decay = _in_standard_layout(layout, "log_decay", log_decay)
     xp = inputs.xp
@@ -200,9 +229,10 @@ def delta_rule_attention(
     per_token = (*batch, T, 1)
     arrays = [inputs.to_work_dtype(x) for x in (q, k, v)]
     arrays.append(check_coefficient(inputs, beta, per_token, name="beta", bounds=_BETA_BOUNDS))
-    g = _log_decay(inputs, log_decay, per_token)
+    g = _log_decay(inputs, log_decay, per_token, d_k)
     if g is not None:
         arrays.append(g)
+    run_options = dict(method=method, chunk_size=chunk_size, scale=scale, qk_l2norm=qk_l2norm)
     if cu_seqlens is not None:
         if attention_mask is not None:
             raise ValueError("pass attention_mask or cu_seqlens, not both")
@@ -214,7 +244,7 @@ def delta_rule_attention(
         )
         keep = length_mask(xp, offsets, max_len, inputs.device)[..., None]
         packed = [pack(xp, x, offsets, max_len) for x in arrays]
-        out, S = _run(xp, packed, S, keep, method=method, chunk_size=chunk_size)
+        out, S = _run(xp, packed, S, keep, **run_options)
         out = unpack(xp, out, offsets)
     else:
         S = check_matrix_state(inputs, initial_state, (*batch, d_k, d_v), name="initial_state")
@@ -222,7 +252,7 @@ def delta_rule_attention(
         if attention_mask is not None:
             mask = check_mask(inputs, attention_mask, T, layout)
             keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
-        out, S = _run(xp, arrays, S, keep, method=method, chunk_size=chunk_size)
+        out, S = _run(xp, arrays, S, keep, **run_options)
     if T == 0 and initial_state is not None:  # never hand back the caller's own array
         S = xp.asarray(S, copy=True)
     out = layout.restore(finish(inputs, out, None))
@@ -238,6 +268,8 @@ def delta_rule_step(
     /,
     *,
     log_decay: Array | None = None,
+    scale: float = 1.0,
+    qk_l2norm: bool = False,
 ) -> tuple[Array, Array]:
     """One token of the (gated) delta rule: update the state with ``(k_t, v_t)``, read with ``q_t``.
 
@@ -293,8 +325,13 @@ def delta_rule_step(
     xp = inputs.xp
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
     beta = check_coefficient(inputs, beta_t, (*batch, 1), name="beta_t", bounds=_BETA_BOUNDS)
-    g = _log_decay(inputs, log_decay, (*batch, 1))
+    g = _log_decay(inputs, log_decay, (*batch, 1), d_k)
+    scale = _check_scale_and_norm(scale, qk_l2norm)
     S = check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
     q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
+    if qk_l2norm:
+        q, k = l2_normalize(xp, q), l2_normalize(xp, k)
     o_t, S = delta_step(xp, q, k, v, beta, None if g is None else xp.exp(g), S)
+    if scale != 1.0:
+        o_t = o_t * scale
     return finish(inputs, o_t, None), S
