@@ -1,6 +1,6 @@
 """The PyTorch blocks against float64 NumPy loops of their formulas, row by row.
 
-GatedDeltaNet, GatedLinearAttention and Mamba2 (and LinearAttention's ``normalize=False``) in
+GatedDeltaNet, KimiDeltaAttention, GatedLinearAttention and Mamba2 (and LinearAttention's ``normalize=False``) in
 several configurations: the forward pass of a padded batch (left and right padding, NaN at
 padded positions) against each prompt alone; ``step`` after a prefill equals one forward pass;
 a cache continues ``forward``; finished rows keep their cache; gradients (chunked equals
@@ -24,6 +24,7 @@ from polylin.feature_maps import identity  # noqa: E402
 from polylin.torch import (  # noqa: E402
     GatedDeltaNet,
     GatedLinearAttention,
+    KimiDeltaAttention,
     LayerCache,
     LinearAttention,
     Mamba2,
@@ -91,6 +92,33 @@ def gdn_reference(layer, p, x):
     return o.reshape(T, -1) @ p["o_proj.weight"].T
 
 
+def kda_reference(layer, p, x):
+    T = x.shape[0]
+    H, HV, dk, dv = layer.num_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    q, k, v = (conv(x @ p[f"{n}_proj.weight"].T, p[f"{n}_conv1d.weight"]) for n in "qkv")
+    q = l2(q.reshape(T, H, dk)) * dk**-0.5
+    k = l2(k.reshape(T, H, dk))
+    v = v.reshape(T, HV, dv)
+    beta = sig(x @ p["b_proj.weight"].T) * (2.0 if layer.allow_neg_eigval else 1.0)
+    f = (x @ p["f_proj.0.weight"].T @ p["f_proj.1.weight"].T + p["dt_bias"]).reshape(T, HV, dk)
+    A = np.exp(p["A_log"])[:, None]
+    if layer.lower_bound is None:
+        g = -A * softplus(f)
+    else:
+        g = layer.lower_bound * sig(A * f)
+    o = np.zeros((T, HV, dv))
+    for j in range(HV):
+        h = j // (HV // H)
+        S = np.zeros((dk, dv))
+        for t in range(T):
+            S = np.exp(g[t, j])[:, None] * S
+            S = S + beta[t, j] * np.outer(k[t, h], v[t, j] - S.T @ k[t, h])
+            o[t, j] = S.T @ q[t, h]
+    gate = x @ p["g_proj.0.weight"].T @ p["g_proj.1.weight"].T + p["g_proj.1.bias"]
+    o = rms(o, p["o_norm.weight"], layer.norm_eps) * sig(gate.reshape(T, HV, dv))
+    return o.reshape(T, -1) @ p["o_proj.weight"].T
+
+
 def gla_reference(layer, p, x):
     T = x.shape[0]
     H, G, dk, dv = layer.num_heads, layer.num_kv_groups, layer.head_k_dim, layer.head_v_dim
@@ -154,6 +182,13 @@ CONFIGS = {
         dict(hidden_size=HIDDEN, num_heads=2, head_dim=4, use_gate=False, use_short_conv=False),
         gdn_reference,
     ),
+    "kda": (KimiDeltaAttention, dict(hidden_size=HIDDEN, num_heads=2, head_dim=4), kda_reference),
+    "kda-gva-bounded": (
+        KimiDeltaAttention,
+        dict(hidden_size=HIDDEN, num_heads=2, num_v_heads=4, head_dim=4, expand_v=1.5,
+             lower_bound=-5.0, allow_neg_eigval=True),
+        kda_reference,
+    ),  # fmt: skip
     "gla": (GatedLinearAttention, dict(hidden_size=HIDDEN, num_heads=2), gla_reference),
     "gla-conv-mqa-sigmoid": (
         GatedLinearAttention,
@@ -177,7 +212,7 @@ def make(name, **extra):
         for pname, param in layer.named_parameters():
             if pname.endswith(("norm.weight", "norm_swish_gate.weight", "D")):
                 param.add_(0.3 * torch.randn_like(param))
-            if pname == "gk_proj.1.bias":
+            if pname in ("gk_proj.1.bias", "g_proj.1.bias"):
                 param.copy_(3 * torch.randn_like(param))
     params = {k: v.detach().numpy() for k, v in layer.state_dict().items()}
     return layer, lambda x: reference(layer, params, x)
@@ -286,6 +321,11 @@ def test_gradients_chunked_equal_recurrent_and_skip_padding(name, rng) -> None:
 
 def param_count_formula(layer) -> int:
     """The docstrings' formulas."""
+    if isinstance(layer, KimiDeltaAttention):
+        h, kd, vd, hv = layer.hidden_size, layer.key_dim, layer.value_dim, layer.num_v_heads
+        n = h * (2 * kd + vd + hv) + layer.head_v_dim * (2 * h + layer.gate_dim + vd) + vd
+        n += hv + layer.gate_dim + (2 * kd + vd) * layer.conv_size + layer.head_v_dim
+        return n + vd * h
     if isinstance(layer, GatedDeltaNet):
         h, kd, vd, hv = layer.hidden_size, layer.key_dim, layer.value_dim, layer.num_v_heads
         n = h * (2 * kd + (2 if layer.use_gate else 1) * vd + 2 * hv) + vd * h + 2 * hv
@@ -314,7 +354,7 @@ def test_parameter_counts_match_the_docstrings(name) -> None:
 
 
 # Names and shapes of fla.layers' parameters (fla-org/flash-linear-attention@bc3b101,
-# fla/layers/{gated_deltanet,gla,mamba2}.py; those layers need Triton to import).
+# fla/layers/{gated_deltanet,kda,gla,mamba2}.py; those layers need Triton to import).
 FLA_NAMES = {
     "gdn": {
         "q_proj.weight": (8, 16), "k_proj.weight": (8, 16), "v_proj.weight": (16, 16),
@@ -322,6 +362,13 @@ FLA_NAMES = {
         "q_conv1d.weight": (8, 1, 4), "k_conv1d.weight": (8, 1, 4),
         "v_conv1d.weight": (16, 1, 4), "g_proj.weight": (16, 16), "o_norm.weight": (8,),
         "o_proj.weight": (16, 16),
+    },
+    "kda": {
+        "q_proj.weight": (8, 16), "k_proj.weight": (8, 16), "v_proj.weight": (8, 16),
+        "q_conv1d.weight": (8, 1, 4), "k_conv1d.weight": (8, 1, 4), "v_conv1d.weight": (8, 1, 4),
+        "f_proj.0.weight": (4, 16), "f_proj.1.weight": (8, 4), "b_proj.weight": (2, 16),
+        "A_log": (2,), "dt_bias": (8,), "g_proj.0.weight": (4, 16), "g_proj.1.weight": (8, 4),
+        "g_proj.1.bias": (8,), "o_norm.weight": (4,), "o_proj.weight": (16, 8),
     },
     "gla": {
         "q_proj.weight": (8, 16), "k_proj.weight": (8, 16), "v_proj.weight": (16, 16),
@@ -375,7 +422,7 @@ def test_linear_attention_normalize_false(rng) -> None:
     assert "normalize=False" in repr(layer)
 
 
-@pytest.mark.parametrize("name", ["gdn", "gla", "mamba2"])
+@pytest.mark.parametrize("name", ["gdn", "kda", "gla", "mamba2"])
 def test_torch_compile_fullgraph(name, rng) -> None:
     """One graph (``fullgraph=True`` raises on a break) for forward with a mask and for step."""
     layer, _ = make(name)

@@ -20,12 +20,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 from ._blocks import LayerCache, RMSNorm, ShortConvolution
 from .gated_deltanet import GatedDeltaNet
 from .gla import GatedLinearAttention
+from .kda import KimiDeltaAttention
 from .linear_attention import LinearAttention
 from .mamba2 import Mamba2
 
 __all__ = [
     "GatedDeltaNet",
     "GatedLinearAttention",
+    "KimiDeltaAttention",
     "LayerCache",
     "LinearAttention",
     "Mamba2",

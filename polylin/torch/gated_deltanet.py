@@ -9,28 +9,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._ops import l2_normalize
-from .._policy import DEFAULT_CHUNK_SIZE, array_namespace
-from ..activations import sigmoid, silu, softplus
-from ..delta_rule import DELTA_METHODS, delta_rule_attention, delta_rule_step
-from ._blocks import (
-    LayerCache,
-    RMSNorm,
-    ShortConvolution,
-    check_cache,
-    check_hidden,
-    convolve,
-    convolve_step,
-    inverse_softplus_dt,
-    padding_mask,
-    positive_int,
-    token_mask,
-)
+from .._policy import DEFAULT_CHUNK_SIZE
+from ..activations import softplus
+from ..delta_rule import DELTA_METHODS
+from ._blocks import RMSNorm, ShortConvolution, inverse_softplus_dt, positive_int
+from ._delta_block import DeltaRuleBlock
 
 __all__ = ["GatedDeltaNet"]
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(DeltaRuleBlock):
     r"""Gated DeltaNet: projections, short convolutions, the gated delta rule, a gated RMSNorm.
 
     For ``x`` of shape ``(batch, T, hidden_size)``:
@@ -216,42 +204,10 @@ class GatedDeltaNet(nn.Module):
             f"head_v_dim={self.head_v_dim}, method={self.method!r}"
         )
 
-    def _convs(self) -> list[ShortConvolution]:
-        return [self.q_conv1d, self.k_conv1d, self.v_conv1d] if self.use_short_conv else []
-
-    def _qkv(
-        self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None, *, one: bool
-    ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
-        """q, k, v after their convolutions, split into heads (``one``: a single token)."""
-        projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
-        states = None if cache is None else cache.conv_state
-        if self.use_short_conv:
-            run = convolve_step if one else convolve
-            projected, conv_state = run(self._convs(), projected, mask, states)
-        else:
-            projected, conv_state = [silu(p) for p in projected], ()
-        lead = x.shape[:-1]
-        q, k = (p.view(*lead, self.num_heads, self.head_k_dim) for p in projected[:2])
-        v = projected[2].view(*lead, self.num_v_heads, self.head_v_dim)
-        xp = array_namespace(q)
-        q = l2_normalize(xp, q) * self.head_k_dim**-0.5
-        k = l2_normalize(xp, k)
-        group = self.num_v_heads // self.num_heads
-        if group > 1:  # query/key head h serves value heads h * group ... h * group + group - 1
-            q, k = (
-                t.unsqueeze(-2).expand(*lead, self.num_heads, group, self.head_k_dim)
-                .reshape(*lead, self.num_v_heads, self.head_k_dim)
-                for t in (q, k)
-            )  # fmt: skip
-        return [q, k, v], conv_state
-
-    def _coefficients(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``beta`` and the log decay per token and value head, ``(..., num_v_heads, 1)``."""
-        beta = sigmoid(self.b_proj(x))
-        if self.allow_neg_eigval:
-            beta = 2.0 * beta
-        g = -torch.exp(self.A_log) * softplus(self.a_proj(x) + self.dt_bias)
-        return beta.to(dtype).unsqueeze(-1), g.to(dtype).unsqueeze(-1)
+    def _log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """``-exp(A_log) * softplus(a_proj(x) + dt_bias)``: ``(..., num_heads, group, 1)``."""
+        A = torch.exp(self.A_log)
+        return self._grouped(-A * softplus(self.a_proj(x) + self.dt_bias), 1)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         gate = None
@@ -259,88 +215,3 @@ class GatedDeltaNet(nn.Module):
             gate = self.g_proj(x).view(*x.shape[:-1], self.num_v_heads, self.head_v_dim)
         o = self.o_norm(o, gate)
         return self.o_proj(o.reshape(*x.shape[:-1], self.value_dim))
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: LayerCache | None = None,
-        return_cache: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, LayerCache]:
-        """The block over a whole sequence (training, prefill).
-
-        Parameters
-        ----------
-        x : torch.Tensor
-            ``(batch, T, hidden_size)``.
-        attention_mask : torch.Tensor, optional
-            ``(batch, T)``, True (or 1) for real tokens: left or right padding. Padded tokens
-            are selected away before the first projection: they reach no real output, no
-            convolution state and no recurrent state, and their outputs are 0.
-        cache : LayerCache, optional
-            The cache after earlier tokens, to continue from.
-        return_cache : bool
-            Also return the cache after the last token.
-
-        Returns
-        -------
-        torch.Tensor or (torch.Tensor, LayerCache)
-            ``(batch, T, hidden_size)``, and the cache with ``return_cache``.
-        """
-        check_hidden(x, "x", 3, self.hidden_size)
-        check_cache(cache, len(self._convs()))
-        batch, T, _ = x.shape
-        mask = padding_mask(attention_mask, batch, T)
-        if mask is not None:
-            x = torch.where(mask[..., None], x, 0.0)
-        (q, k, v), conv_state = self._qkv(x, mask, cache, one=False)
-        beta, g = self._coefficients(x, q.dtype)
-        o, S = delta_rule_attention(
-            q, k, v, beta, log_decay=g, method=self.method, chunk_size=self.chunk_size,
-            initial_state=None if cache is None else cache.recurrent_state,
-            return_state=True, attention_mask=mask, seq_axis=1,
-        )  # fmt: skip
-        out = self._output(o, x)
-        return (out, LayerCache(conv_state, S)) if return_cache else out
-
-    def step(
-        self,
-        x_t: torch.Tensor,
-        cache: LayerCache | None = None,
-        *,
-        attention_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, LayerCache]:
-        """One new token per sequence, from the cache of the tokens before it.
-
-        Parameters
-        ----------
-        x_t : torch.Tensor
-            ``(batch, hidden_size)``.
-        cache : LayerCache, optional
-            From ``forward(..., return_cache=True)`` or an earlier ``step``; ``None`` starts
-            from an empty sequence.
-        attention_mask : torch.Tensor, optional
-            ``(batch,)``: the rows that take this token. The others (finished sequences) keep
-            their cache and output 0, whatever ``x_t`` holds there.
-
-        Returns
-        -------
-        y_t : torch.Tensor
-            ``(batch, hidden_size)``.
-        cache : LayerCache
-            The cache after this token.
-        """
-        check_hidden(x_t, "x_t", 2, self.hidden_size)
-        check_cache(cache, len(self._convs()))
-        mask = token_mask(attention_mask, x_t.shape[0])
-        if mask is not None:
-            x_t = torch.where(mask[:, None], x_t, 0.0)
-        (q, k, v), conv_state = self._qkv(x_t, mask, cache, one=True)
-        beta, g = self._coefficients(x_t, q.dtype)
-        S0 = None if cache is None else cache.recurrent_state
-        o, S = delta_rule_step(q, k, v, beta, S0, log_decay=g)
-        y = self._output(o, x_t)
-        if mask is not None:
-            S = torch.where(mask[:, None, None, None], S, 0.0 if S0 is None else S0)
-            y = torch.where(mask[:, None], y, 0.0)
-        return y, LayerCache(conv_state, S)
