@@ -1,13 +1,13 @@
 """The PyTorch blocks against float64 NumPy loops of their formulas, row by row.
 
-GatedDeltaNet, KimiDeltaAttention, GatedLinearAttention and Mamba2 (and LinearAttention's ``normalize=False``) in
-several configurations: the forward pass of a padded batch (left and right padding, NaN at
-padded positions) against each prompt alone; ``step`` after a prefill equals one forward pass;
-a cache continues ``forward``; finished rows keep their cache; gradients (chunked equals
-recurrent, padded inputs get none); ``torch.compile(fullgraph=True)``; parameter counts against
-the docstrings' formulas; parameter names and shapes of ``fla.layers`` (read from its source
-at fla-org/flash-linear-attention@bc3b101) and of transformers' ``Mamba2Mixer``, whose output
-the Mamba2 block matches.
+GatedDeltaNet, KimiDeltaAttention, GatedLinearAttention and Mamba2 (and LinearAttention's
+``normalize=False``) in several configurations: the forward pass of a padded batch (left and
+right padding, NaN at padded positions) against each prompt alone; ``step`` after a prefill
+equals one forward pass; a cache continues ``forward``; finished rows keep their cache;
+gradients (chunked equals recurrent, padded inputs get none); ``torch.compile(fullgraph=True)``;
+parameter counts against the docstrings' formulas; parameter names and shapes of ``fla.layers``
+(read from its source at fla-org/flash-linear-attention@bc3b101) and of transformers'
+``Mamba2Mixer``, whose output the Mamba2 block matches.
 """
 
 from __future__ import annotations
@@ -173,10 +173,16 @@ CONFIGS = {
     "gdn": (GatedDeltaNet, dict(hidden_size=HIDDEN, num_heads=2, head_dim=4), gdn_reference),
     "gdn-gva-neg-eigval": (
         GatedDeltaNet,
-        dict(hidden_size=HIDDEN, num_heads=2, num_v_heads=4, head_dim=4, expand_v=1.5,
-             allow_neg_eigval=True),
+        dict(
+            hidden_size=HIDDEN,
+            num_heads=2,
+            num_v_heads=4,
+            head_dim=4,
+            expand_v=1.5,
+            allow_neg_eigval=True,
+        ),
         gdn_reference,
-    ),  # fmt: skip
+    ),
     "gdn-no-gate-no-conv": (
         GatedDeltaNet,
         dict(hidden_size=HIDDEN, num_heads=2, head_dim=4, use_gate=False, use_short_conv=False),
@@ -185,20 +191,35 @@ CONFIGS = {
     "kda": (KimiDeltaAttention, dict(hidden_size=HIDDEN, num_heads=2, head_dim=4), kda_reference),
     "kda-gva-bounded": (
         KimiDeltaAttention,
-        dict(hidden_size=HIDDEN, num_heads=2, num_v_heads=4, head_dim=4, expand_v=1.5,
-             lower_bound=-5.0, allow_neg_eigval=True),
+        dict(
+            hidden_size=HIDDEN,
+            num_heads=2,
+            num_v_heads=4,
+            head_dim=4,
+            expand_v=1.5,
+            lower_bound=-5.0,
+            allow_neg_eigval=True,
+        ),
         kda_reference,
-    ),  # fmt: skip
+    ),
     "gla": (GatedLinearAttention, dict(hidden_size=HIDDEN, num_heads=2), gla_reference),
     "gla-conv-mqa-sigmoid": (
         GatedLinearAttention,
-        dict(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, expand_k=1.0,
-             use_short_conv=True, gate_fn="sigmoid"),
+        dict(
+            hidden_size=HIDDEN,
+            num_heads=4,
+            num_kv_heads=2,
+            expand_k=1.0,
+            use_short_conv=True,
+            gate_fn="sigmoid",
+        ),
         gla_reference,
-    ),  # fmt: skip
+    ),
     "mamba2": (Mamba2, dict(hidden_size=HIDDEN, head_dim=8, state_size=4), mamba2_reference),
     "mamba2-groups": (
-        Mamba2, dict(hidden_size=HIDDEN, head_dim=4, state_size=3, n_groups=2), mamba2_reference
+        Mamba2,
+        dict(hidden_size=HIDDEN, head_dim=4, state_size=3, n_groups=2),
+        mamba2_reference,
     ),
 }
 
@@ -391,7 +412,7 @@ def test_parameter_names_and_shapes_are_fla_s(name) -> None:
 
 
 def test_mamba2_equals_transformers_mamba2_mixer(rng) -> None:
-    """transformers' own PyTorch Mamba-2 (its fallback without kernels): same names, same outputs."""
+    """transformers' own Mamba-2 (its PyTorch fallback): same names, same outputs."""
     mamba2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
     from transformers import Mamba2Config
 

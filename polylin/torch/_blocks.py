@@ -28,6 +28,12 @@ __all__ = [
 ]
 
 
+def _tensor(parameter: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter as a plain tensor view: ``torch.compile`` traces polylin's input checks of a
+    tensor, not of an ``nn.Parameter`` (its type's module name is not a constant there)."""
+    return None if parameter is None else parameter[...]
+
+
 class LayerCache(NamedTuple):
     """What a layer needs to continue a sequence: its convolution states and recurrent state.
 
@@ -123,7 +129,7 @@ class ShortConvolution(nn.Conv1d):
         return causal_conv1d(
             x,
             self.weight[:, 0],
-            self.bias,
+            _tensor(self.bias),
             activation=self.activation,
             state=state,
             return_state=return_state,
@@ -140,7 +146,7 @@ class ShortConvolution(nn.Conv1d):
         return causal_conv1d_step(
             x_t,
             self.weight[:, 0],
-            self.bias,
+            _tensor(self.bias),
             state=state,
             activation=self.activation,
             attention_mask=attention_mask,
@@ -204,7 +210,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """Normalize ``x`` ``(..., hidden_size)``, gated by ``gate`` of the same shape."""
-        weight: torch.Tensor | None = self.weight
+        weight = _tensor(self.weight)
         if self.group_size is not None and self.group_size != self.hidden_size:
             groups = (self.hidden_size // self.group_size, self.group_size)
             shape = x.shape
