@@ -125,8 +125,8 @@ def causal_conv1d(
         ``(..., T, channels)``, any leading dimensions (with ``seq_axis``, T may sit on another
         axis).
     weight : array
-        ``(channels, width)``, the dtype of ``x``. (A PyTorch ``nn.Conv1d(groups=channels)``
-        weight of shape ``(channels, 1, width)`` is ``weight[:, 0]``.)
+        ``(channels, width)``, the dtype of ``x``. A PyTorch ``nn.Conv1d(groups=channels)``
+        weight of shape ``(channels, 1, width)`` gives it as ``weight[:, 0]``.
     bias : array, optional
         ``(channels,)``.
     activation : {None, "silu", "swish"}
@@ -245,11 +245,15 @@ def causal_conv1d_step(
     ----------
     x_t : array
         ``(..., channels)``: the new input of each sequence.
-    weight, bias, activation
-        As for :func:`causal_conv1d`.
+    weight : array
+        ``(channels, width)``, as for :func:`causal_conv1d`.
+    bias : array, optional
+        ``(channels,)``.
     state : array, optional
         ``(..., width - 1, channels)``: the last ``width - 1`` inputs before ``x_t`` (from
         :func:`causal_conv1d` with ``return_state=True`` or an earlier step); ``None``: zeros.
+    activation : {None, "silu", "swish"}
+        Applied to the sum.
     attention_mask : array of bool, optional
         ``x_t.shape[:-1]`` (size-1 axes broadcast) or ``(batch,)``: the rows that take this
         token. A row where it is False keeps its state and outputs exactly 0.

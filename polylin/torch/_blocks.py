@@ -171,6 +171,8 @@ class RMSNorm(nn.Module):
         Normalize groups of this many channels separately (Mamba-2's ``n_groups``).
     elementwise_affine : bool
         Whether it has a ``weight`` (ones at first).
+    device, dtype : optional
+        Where and in which dtype to create the weight.
 
     Examples
     --------

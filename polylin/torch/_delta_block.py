@@ -132,6 +132,17 @@ class DeltaRuleBlock(nn.Module):
         -------
         torch.Tensor or (torch.Tensor, LayerCache)
             ``(batch, T, hidden_size)``, and the cache with ``return_cache``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from polylin.torch import GatedDeltaNet
+        >>> layer = GatedDeltaNet(hidden_size=16, num_heads=2, head_dim=4)
+        >>> x = torch.randn(2, 6, 16)
+        >>> mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # row 0 left-padded
+        >>> y, cache = layer(x, mask, return_cache=True)
+        >>> y.shape, bool((y[0, :2] == 0).all())
+        (torch.Size([2, 6, 16]), True)
         """
         check_hidden(x, "x", 3, self.hidden_size)
         check_cache(cache, len(self._convs()))
@@ -175,6 +186,16 @@ class DeltaRuleBlock(nn.Module):
             ``(batch, hidden_size)``.
         cache : LayerCache
             The cache after this token.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from polylin.torch import GatedDeltaNet
+        >>> layer = GatedDeltaNet(hidden_size=16, num_heads=2, head_dim=4)
+        >>> y_t, cache = layer.step(torch.randn(3, 16))   # the first token of 3 sequences
+        >>> y_t, cache = layer.step(torch.randn(3, 16), cache)
+        >>> y_t.shape
+        torch.Size([3, 16])
         """
         check_hidden(x_t, "x_t", 2, self.hidden_size)
         check_cache(cache, len(self._convs()))

@@ -32,8 +32,7 @@ _GATE_FNS = {"swish": silu, "silu": silu, "sigmoid": sigmoid}
 
 
 class GatedLinearAttention(nn.Module):
-    r"""GLA: linear attention with a per-channel forget gate, a low-rank gate projection and an
-    output gate.
+    r"""Gated linear attention: a per-channel forget gate, an output gate, an RMSNorm.
 
     For ``x`` of shape ``(batch, T, hidden_size)``, with ``key_dim = hidden_size * expand_k``
     and ``value_dim = hidden_size * expand_v`` split into ``num_heads`` heads:
@@ -67,8 +66,10 @@ class GatedLinearAttention(nn.Module):
         Applied to ``q`` and ``k`` after their heads are formed; default none.
     use_short_conv : bool
         Short convolutions on ``q``, ``k`` and ``v``.
-    conv_size, conv_bias
-        Their width and whether they have a bias.
+    conv_size : int
+        Their width.
+    conv_bias : bool
+        Whether they have a bias.
     use_output_gate : bool
         Multiply the normalized output by ``gate_fn(g_proj(x))``.
     gate_fn : {"swish", "silu", "sigmoid"}
@@ -299,6 +300,17 @@ class GatedLinearAttention(nn.Module):
         -------
         torch.Tensor or (torch.Tensor, LayerCache)
             ``(batch, T, hidden_size)``, and the cache with ``return_cache``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from polylin.torch import GatedLinearAttention
+        >>> layer = GatedLinearAttention(hidden_size=16, num_heads=2)
+        >>> x = torch.randn(2, 6, 16)
+        >>> mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # row 0 left-padded
+        >>> y, cache = layer(x, mask, return_cache=True)
+        >>> y.shape, bool((y[0, :2] == 0).all())
+        (torch.Size([2, 6, 16]), True)
         """
         check_hidden(x, "x", 3, self.hidden_size)
         check_cache(cache, len(self._convs()))
@@ -341,6 +353,16 @@ class GatedLinearAttention(nn.Module):
             ``(batch, hidden_size)``.
         cache : LayerCache
             The cache after this token.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from polylin.torch import GatedLinearAttention
+        >>> layer = GatedLinearAttention(hidden_size=16, num_heads=2)
+        >>> y_t, cache = layer.step(torch.randn(3, 16))   # the first token of 3 sequences
+        >>> y_t, cache = layer.step(torch.randn(3, 16), cache)
+        >>> y_t.shape
+        torch.Size([3, 16])
         """
         check_hidden(x_t, "x_t", 2, self.hidden_size)
         check_cache(cache, len(self._convs()))

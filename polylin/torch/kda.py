@@ -40,16 +40,35 @@ class KimiDeltaAttention(DeltaRuleBlock):
 
     Parameters
     ----------
-    hidden_size, expand_v, head_dim, num_heads, num_v_heads
-        As for :class:`GatedDeltaNet` (defaults: fla's, ``expand_v=1``, ``head_dim=128``,
-        ``num_heads=16``).
-    method, chunk_size, use_short_conv, allow_neg_eigval, conv_size, conv_bias, norm_eps
-        As for :class:`GatedDeltaNet`.
-    lower_bound : float, optional
-        Bound the log gate to ``(lower_bound, 0)`` with the sigmoid form above.
+    hidden_size : int
+        Size of ``x``'s last axis and of the output.
+    expand_v : float
+        ``head_v_dim = head_dim * expand_v`` (must be an integer).
+    head_dim : int
+        Size of each query/key head, and of the gate per value head.
+    num_heads : int
+        Number of query/key heads.
+    num_v_heads : int, optional
+        Number of value heads (a multiple of ``num_heads``); default ``num_heads``.
+    method : {"chunked", "recurrent"}
+        Algorithm of the forward pass (see :func:`polylin.delta_rule_attention`).
+    chunk_size : int
+        Chunk length of the chunked form.
+    use_short_conv : bool
+        Short convolutions on ``q``, ``k`` and ``v``.
+    allow_neg_eigval : bool
+        ``beta`` in ``(0, 2)`` instead of ``(0, 1)``.
     safe_gate : bool
         Initialize ``A_log`` to zeros (fla's option for the bounded gate; its kernel speed-up
         has no counterpart here). Needs ``lower_bound``.
+    lower_bound : float, optional
+        Bound the log gate to ``(lower_bound, 0)`` with the sigmoid form above.
+    conv_size : int
+        Width of the short convolutions.
+    conv_bias : bool
+        Whether they have a bias.
+    norm_eps : float
+        ``eps`` of the output RMSNorm.
     device, dtype : optional
         Where and in which dtype to create the parameters.
 

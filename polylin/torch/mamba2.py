@@ -279,6 +279,17 @@ class Mamba2(nn.Module):
         -------
         torch.Tensor or (torch.Tensor, LayerCache)
             ``(batch, T, hidden_size)``, and the cache with ``return_cache``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from polylin.torch import Mamba2
+        >>> layer = Mamba2(hidden_size=16, head_dim=8, state_size=4)
+        >>> x = torch.randn(2, 6, 16)
+        >>> mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # row 0 left-padded
+        >>> y, cache = layer(x, mask, return_cache=True)
+        >>> y.shape, bool((y[0, :2] == 0).all())
+        (torch.Size([2, 6, 16]), True)
         """
         check_hidden(x, "x", 3, self.hidden_size)
         check_cache(cache, 1)
@@ -326,6 +337,16 @@ class Mamba2(nn.Module):
             ``(batch, hidden_size)``.
         cache : LayerCache
             The cache after this token.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from polylin.torch import Mamba2
+        >>> layer = Mamba2(hidden_size=16, head_dim=8, state_size=4)
+        >>> y_t, cache = layer.step(torch.randn(3, 16))   # the first token of 3 sequences
+        >>> y_t, cache = layer.step(torch.randn(3, 16), cache)
+        >>> y_t.shape
+        torch.Size([3, 16])
         """
         check_hidden(x_t, "x_t", 2, self.hidden_size)
         check_cache(cache, 1)
