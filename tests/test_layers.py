@@ -12,6 +12,7 @@ parameter counts against the docstrings' formulas; parameter names and shapes of
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -479,3 +480,19 @@ def test_bad_input() -> None:
         Mamba2(num_heads=3, hidden_size=HIDDEN, head_dim=8)
     with pytest.raises(ValueError, match="gate_fn"):
         GatedLinearAttention(hidden_size=HIDDEN, gate_fn="relu")
+
+
+def test_decode_benchmark_runs_tiny(tmp_path, capsys) -> None:
+    """benchmarks/layer_decode.py at a tiny size: its rows, its overhead, its JSON (it also
+    checks that its bare calls give the layer's step)."""
+    from benchmarks import layer_decode
+
+    out = tmp_path / "decode.json"
+    argv = ["--layers", "2", "--hidden", "64", "--contexts", "8", "32", "--repeats", "2"]
+    result = layer_decode.main([*argv, "--threads", "1", "--json", str(out)])
+    assert [row["context"] for row in result["rows"]] == [8, 32]
+    assert json.loads(out.read_text())["overhead"].keys() >= {"step_us", "bare_us"}
+    assert all(
+        row["gdn_cache_bytes"] == result["rows"][0]["gdn_cache_bytes"] for row in result["rows"]
+    )
+    assert "the layer adds" in capsys.readouterr().out
