@@ -14,6 +14,7 @@ from ..convolution import causal_conv1d, causal_conv1d_step
 from ..normalization import rms_norm
 
 __all__ = [
+    "Block",
     "LayerCache",
     "RMSNorm",
     "ShortConvolution",
@@ -24,7 +25,6 @@ __all__ = [
     "inverse_softplus_dt",
     "padding_mask",
     "positive_int",
-    "token_mask",
 ]
 
 
@@ -241,34 +241,19 @@ def check_hidden(x: Any, name: str, rank: int, hidden_size: int) -> None:
         )
 
 
-def padding_mask(attention_mask: Any, batch: int, length: int) -> torch.Tensor | None:
-    """A tokenizer's ``(batch, T)`` mask (bool or 0/1) as a bool tensor; ``None`` stays."""
+def padding_mask(attention_mask: Any, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """A tokenizer's mask (bool or 0/1) of ``shape`` (``(batch, T)``, or ``(batch,)`` for one
+    token) as a bool tensor; ``None`` stays."""
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(
             f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}"
         )
-    if tuple(attention_mask.shape) != (batch, length):
+    if tuple(attention_mask.shape) != shape:
+        layout = "(batch, T)" if len(shape) == 2 else "(batch,)"
         raise ValueError(
-            f"attention_mask must have shape (batch, T) = {(batch, length)}, "
-            f"got {tuple(attention_mask.shape)}"
-        )
-    return attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
-
-
-def token_mask(attention_mask: Any, batch: int) -> torch.Tensor | None:
-    """A decoding step's ``(batch,)`` mask as a bool tensor; ``None`` stays."""
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(
-            f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}"
-        )
-    if tuple(attention_mask.shape) != (batch,):
-        raise ValueError(
-            f"attention_mask must have shape (batch,) = ({batch},), "
-            f"got {tuple(attention_mask.shape)}"
+            f"attention_mask must have shape {layout} = {shape}, got {tuple(attention_mask.shape)}"
         )
     return attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
 
@@ -339,3 +324,124 @@ def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+class Block(nn.Module):
+    """What every block does around its own computation: input checks, padding, zero outputs.
+
+    A subclass sets ``hidden_size`` and defines :meth:`_sequence` (a whole sequence) and
+    :meth:`_token` (one token per sequence), which receive inputs whose masked rows are
+    already zeros and return the output and the new :class:`LayerCache`; masked outputs are
+    zeroed here.
+    """
+
+    hidden_size: int
+
+    def _convs(self) -> list[ShortConvolution]:
+        """The block's short convolutions, in the order of the cache's ``conv_state``."""
+        return []
+
+    def _sequence(
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
+    ) -> tuple[torch.Tensor, LayerCache]:
+        raise NotImplementedError
+
+    def _token(
+        self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
+    ) -> tuple[torch.Tensor, LayerCache]:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+        return_cache: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, LayerCache]:
+        """The block over a whole sequence (training, prefill).
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            ``(batch, T, hidden_size)``.
+        attention_mask : torch.Tensor, optional
+            ``(batch, T)``, True (or 1) for real tokens: left or right padding. Padded tokens
+            are selected away before the projections: whatever they hold, they reach no real
+            output, no convolution state and no recurrent state, and their outputs are 0.
+        cache : LayerCache, optional
+            The cache after earlier tokens, to continue from.
+        return_cache : bool
+            Also return the cache after the last token.
+
+        Returns
+        -------
+        torch.Tensor or (torch.Tensor, LayerCache)
+            ``(batch, T, hidden_size)``, and the cache with ``return_cache``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from polylin.torch import GatedDeltaNet
+        >>> layer = GatedDeltaNet(hidden_size=16, num_heads=2, head_dim=4)
+        >>> x = torch.randn(2, 6, 16)
+        >>> mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # row 0 left-padded
+        >>> y, cache = layer(x, mask, return_cache=True)
+        >>> y.shape, bool((y[0, :2] == 0).all())
+        (torch.Size([2, 6, 16]), True)
+        """
+        check_hidden(x, "x", 3, self.hidden_size)
+        check_cache(cache, len(self._convs()))
+        mask = padding_mask(attention_mask, tuple(x.shape[:2]))
+        if mask is not None:
+            x = torch.where(mask[..., None], x, 0.0)
+        out, new_cache = self._sequence(x, mask, cache)
+        if mask is not None:
+            out = torch.where(mask[..., None], out, 0.0)
+        return (out, new_cache) if return_cache else out
+
+    def step(
+        self,
+        x_t: torch.Tensor,
+        cache: LayerCache | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LayerCache]:
+        """One new token per sequence, from the cache of the tokens before it.
+
+        Parameters
+        ----------
+        x_t : torch.Tensor
+            ``(batch, hidden_size)``.
+        cache : LayerCache, optional
+            From ``forward(..., return_cache=True)`` or an earlier ``step``; ``None`` starts
+            from an empty sequence.
+        attention_mask : torch.Tensor, optional
+            ``(batch,)``: the rows that take this token. The others (finished sequences) keep
+            their cache and output 0, whatever ``x_t`` holds there.
+
+        Returns
+        -------
+        y_t : torch.Tensor
+            ``(batch, hidden_size)``.
+        cache : LayerCache
+            The cache after this token.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from polylin.torch import GatedDeltaNet
+        >>> layer = GatedDeltaNet(hidden_size=16, num_heads=2, head_dim=4)
+        >>> y_t, cache = layer.step(torch.randn(3, 16))   # the first token of 3 sequences
+        >>> y_t, cache = layer.step(torch.randn(3, 16), cache)
+        >>> y_t.shape
+        torch.Size([3, 16])
+        """
+        check_hidden(x_t, "x_t", 2, self.hidden_size)
+        check_cache(cache, len(self._convs()))
+        mask = padding_mask(attention_mask, (x_t.shape[0],))
+        if mask is not None:
+            x_t = torch.where(mask[:, None], x_t, 0.0)
+        out, new_cache = self._token(x_t, mask, cache)
+        if mask is not None:
+            out = torch.where(mask[:, None], out, 0.0)
+        return out, new_cache

@@ -3,26 +3,27 @@ value heads, the delta rule over the whole sequence or one token, the cache."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import nn
 
 from ..activations import sigmoid, silu
-from ..delta_rule import delta_rule_attention, delta_rule_step
+from ..delta_rule import DELTA_METHODS, delta_rule_attention, delta_rule_step
 from ._blocks import (
+    Block,
     LayerCache,
     ShortConvolution,
-    check_cache,
-    check_hidden,
     convolve,
     convolve_step,
-    padding_mask,
-    token_mask,
+    positive_int,
 )
 
 __all__ = ["DeltaRuleBlock"]
 
 
-class DeltaRuleBlock(nn.Module):
+class DeltaRuleBlock(Block):
     """The forward pass and decoding step of the delta-rule blocks.
 
     A subclass sets the sizes (``hidden_size``, ``num_heads``, ``num_v_heads``, ``head_k_dim``,
@@ -53,6 +54,59 @@ class DeltaRuleBlock(nn.Module):
     q_conv1d: ShortConvolution
     k_conv1d: ShortConvolution
     v_conv1d: ShortConvolution
+
+    def _init_heads(
+        self,
+        *,
+        hidden_size: int,
+        expand_v: float,
+        head_dim: int,
+        num_heads: int,
+        num_v_heads: int | None,
+        method: str,
+        chunk_size: int,
+        use_short_conv: bool,
+        allow_neg_eigval: bool,
+        conv_size: int,
+        conv_bias: bool,
+        norm_eps: float,
+        device: Any,
+        dtype: Any,
+    ) -> dict[str, Any]:
+        """Check the shared options, set the sizes, make ``q_proj``, ``k_proj``, ``v_proj``,
+        ``b_proj`` and the convolutions; returns the factory options for the rest."""
+        for name, value in (
+            ("hidden_size", hidden_size), ("head_dim", head_dim), ("num_heads", num_heads),
+            ("conv_size", conv_size), ("chunk_size", chunk_size),
+        ):  # fmt: skip
+            positive_int(name, value)
+        v_heads = num_heads if num_v_heads is None else positive_int("num_v_heads", num_v_heads)
+        if v_heads % num_heads:
+            raise ValueError(f"num_v_heads={v_heads} must be a multiple of {num_heads=}")
+        head_v_dim = head_dim * expand_v
+        if not math.isclose(head_v_dim, round(head_v_dim)) or round(head_v_dim) < 1:
+            raise ValueError(
+                f"head_dim * expand_v = {head_dim} * {expand_v} must be a positive integer"
+            )
+        if method not in DELTA_METHODS:
+            raise ValueError(f"method must be one of {DELTA_METHODS}, got {method!r}")
+        self.hidden_size, self.expand_v, self.head_dim = hidden_size, expand_v, head_dim
+        self.num_heads, self.num_v_heads = num_heads, v_heads
+        self.head_k_dim, self.head_v_dim = head_dim, round(head_v_dim)
+        self.key_dim, self.value_dim = num_heads * head_dim, v_heads * self.head_v_dim
+        self.method, self.chunk_size = method, chunk_size
+        self.use_short_conv, self.allow_neg_eigval = use_short_conv, allow_neg_eigval
+        self.conv_size, self.conv_bias, self.norm_eps = conv_size, conv_bias, norm_eps
+        kw = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **kw)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **kw)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False, **kw)
+        self.b_proj = nn.Linear(hidden_size, v_heads, bias=False, **kw)
+        if use_short_conv:
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, **kw)
+            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, **kw)
+            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, **kw)
+        return kw
 
     def _log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """The log decay per token: ``(..., num_heads, group, 1 or head_k_dim)``."""
@@ -106,50 +160,9 @@ class DeltaRuleBlock(nn.Module):
     def _cache(self, conv_state: tuple[torch.Tensor, ...], S: torch.Tensor) -> LayerCache:
         return LayerCache(conv_state, S.reshape(S.shape[0], self.num_v_heads, *S.shape[3:]))
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: LayerCache | None = None,
-        return_cache: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, LayerCache]:
-        """The block over a whole sequence (training, prefill).
-
-        Parameters
-        ----------
-        x : torch.Tensor
-            ``(batch, T, hidden_size)``.
-        attention_mask : torch.Tensor, optional
-            ``(batch, T)``, True (or 1) for real tokens: left or right padding. Padded tokens
-            are selected away before the projections: they reach no real output, no
-            convolution state and no recurrent state, and their outputs are 0.
-        cache : LayerCache, optional
-            The cache after earlier tokens, to continue from.
-        return_cache : bool
-            Also return the cache after the last token.
-
-        Returns
-        -------
-        torch.Tensor or (torch.Tensor, LayerCache)
-            ``(batch, T, hidden_size)``, and the cache with ``return_cache``.
-
-        Examples
-        --------
-        >>> import torch
-        >>> from polylin.torch import GatedDeltaNet
-        >>> layer = GatedDeltaNet(hidden_size=16, num_heads=2, head_dim=4)
-        >>> x = torch.randn(2, 6, 16)
-        >>> mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # row 0 left-padded
-        >>> y, cache = layer(x, mask, return_cache=True)
-        >>> y.shape, bool((y[0, :2] == 0).all())
-        (torch.Size([2, 6, 16]), True)
-        """
-        check_hidden(x, "x", 3, self.hidden_size)
-        check_cache(cache, len(self._convs()))
-        batch, T, _ = x.shape
-        mask = padding_mask(attention_mask, batch, T)
-        if mask is not None:
-            x = torch.where(mask[..., None], x, 0.0)
+    def _sequence(
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
+    ) -> tuple[torch.Tensor, LayerCache]:
         (q, k, v), conv_state = self._qkv(x, mask, cache, one=False)
         beta, g = self._coefficients(x, q.dtype)
         o, S = delta_rule_attention(
@@ -157,59 +170,19 @@ class DeltaRuleBlock(nn.Module):
             method=self.method, chunk_size=self.chunk_size, initial_state=self._state_in(cache),
             return_state=True, attention_mask=mask, seq_axis=1,
         )  # fmt: skip
-        out = self._output(o.reshape(batch, T, self.num_v_heads, self.head_v_dim), x)
-        return (out, self._cache(conv_state, S)) if return_cache else out
+        o = o.reshape(*x.shape[:2], self.num_v_heads, self.head_v_dim)
+        return self._output(o, x), self._cache(conv_state, S)
 
-    def step(
-        self,
-        x_t: torch.Tensor,
-        cache: LayerCache | None = None,
-        *,
-        attention_mask: torch.Tensor | None = None,
+    def _token(
+        self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
     ) -> tuple[torch.Tensor, LayerCache]:
-        """One new token per sequence, from the cache of the tokens before it.
-
-        Parameters
-        ----------
-        x_t : torch.Tensor
-            ``(batch, hidden_size)``.
-        cache : LayerCache, optional
-            From ``forward(..., return_cache=True)`` or an earlier ``step``; ``None`` starts
-            from an empty sequence.
-        attention_mask : torch.Tensor, optional
-            ``(batch,)``: the rows that take this token. The others (finished sequences) keep
-            their cache and output 0, whatever ``x_t`` holds there.
-
-        Returns
-        -------
-        y_t : torch.Tensor
-            ``(batch, hidden_size)``.
-        cache : LayerCache
-            The cache after this token.
-
-        Examples
-        --------
-        >>> import torch
-        >>> from polylin.torch import GatedDeltaNet
-        >>> layer = GatedDeltaNet(hidden_size=16, num_heads=2, head_dim=4)
-        >>> y_t, cache = layer.step(torch.randn(3, 16))   # the first token of 3 sequences
-        >>> y_t, cache = layer.step(torch.randn(3, 16), cache)
-        >>> y_t.shape
-        torch.Size([3, 16])
-        """
-        check_hidden(x_t, "x_t", 2, self.hidden_size)
-        check_cache(cache, len(self._convs()))
-        mask = token_mask(attention_mask, x_t.shape[0])
-        if mask is not None:
-            x_t = torch.where(mask[:, None], x_t, 0.0)
         (q, k, v), conv_state = self._qkv(x_t, mask, cache, one=True)
         beta, g = self._coefficients(x_t, q.dtype)
         S0 = self._state_in(cache)
         o, S = delta_rule_step(
             q, k, v, beta, S0, log_decay=g, scale=self.head_k_dim**-0.5, qk_l2norm=True
         )
-        y = self._output(o.reshape(x_t.shape[0], self.num_v_heads, self.head_v_dim), x_t)
-        if mask is not None:
+        if mask is not None:  # the rows that do not take the token keep their state
             S = torch.where(mask[:, None, None, None, None], S, 0.0 if S0 is None else S0)
-            y = torch.where(mask[:, None], y, 0.0)
-        return y, self._cache(conv_state, S)
+        o = o.reshape(x_t.shape[0], self.num_v_heads, self.head_v_dim)
+        return self._output(o, x_t), self._cache(conv_state, S)

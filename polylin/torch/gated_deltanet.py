@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -11,8 +10,7 @@ from torch import nn
 
 from .._policy import DEFAULT_CHUNK_SIZE
 from ..activations import softplus
-from ..delta_rule import DELTA_METHODS
-from ._blocks import RMSNorm, ShortConvolution, inverse_softplus_dt, positive_int
+from ._blocks import RMSNorm, inverse_softplus_dt
 from ._delta_block import DeltaRuleBlock
 
 __all__ = ["GatedDeltaNet"]
@@ -143,49 +141,21 @@ class GatedDeltaNet(DeltaRuleBlock):
         dtype: Any = None,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("hidden_size", hidden_size), ("head_dim", head_dim), ("num_heads", num_heads),
-            ("conv_size", conv_size), ("chunk_size", chunk_size),
-        ):  # fmt: skip
-            positive_int(name, value)
-        num_v_heads = num_heads if num_v_heads is None else positive_int("num_v_heads", num_v_heads)
-        if num_v_heads % num_heads:
-            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of {num_heads=}")
-        head_v_dim = head_dim * expand_v
-        if not math.isclose(head_v_dim, round(head_v_dim)) or round(head_v_dim) < 1:
-            raise ValueError(
-                f"head_dim * expand_v = {head_dim} * {expand_v} must be a positive integer"
-            )
-        if method not in DELTA_METHODS:
-            raise ValueError(f"method must be one of {DELTA_METHODS}, got {method!r}")
-        self.hidden_size, self.expand_v, self.head_dim = hidden_size, expand_v, head_dim
-        self.num_heads, self.num_v_heads = num_heads, num_v_heads
-        self.head_k_dim, self.head_v_dim = head_dim, round(head_v_dim)
-        self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * self.head_v_dim
-        self.method, self.chunk_size = method, chunk_size
-        self.use_gate, self.use_short_conv = use_gate, use_short_conv
-        self.allow_neg_eigval, self.conv_size, self.conv_bias = (
-            allow_neg_eigval,
-            conv_size,
-            conv_bias,
-        )
-        self.norm_eps = norm_eps
-        kw = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **kw)
-        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **kw)
-        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False, **kw)
-        self.a_proj = nn.Linear(hidden_size, num_v_heads, bias=False, **kw)
-        self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False, **kw)
-        A = torch.empty(num_v_heads, device=device).uniform_(0, 16)
-        self.A_log = nn.Parameter(torch.log(A).to(dtype or torch.get_default_dtype()))
-        self.dt_bias = nn.Parameter(
-            inverse_softplus_dt(num_v_heads, device=device).to(dtype or torch.get_default_dtype())
-        )
-        if use_short_conv:
-            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, **kw)
-            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, **kw)
-            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, **kw)
-        else:
+        kw = self._init_heads(
+            hidden_size=hidden_size, expand_v=expand_v, head_dim=head_dim, num_heads=num_heads,
+            num_v_heads=num_v_heads, method=method, chunk_size=chunk_size,
+            use_short_conv=use_short_conv, allow_neg_eigval=allow_neg_eigval,
+            conv_size=conv_size, conv_bias=conv_bias, norm_eps=norm_eps, device=device,
+            dtype=dtype,
+        )  # fmt: skip
+        self.use_gate = use_gate
+        heads = self.num_v_heads
+        self.a_proj = nn.Linear(hidden_size, heads, bias=False, **kw)
+        dtype = dtype or torch.get_default_dtype()
+        A = torch.empty(heads, device=device).uniform_(0, 16)
+        self.A_log = nn.Parameter(torch.log(A).to(dtype))
+        self.dt_bias = nn.Parameter(inverse_softplus_dt(heads, device=device).to(dtype))
+        if not use_short_conv:
             warnings.warn(
                 "use_short_conv=False: the short convolutions matter for Gated DeltaNet's "
                 "quality; turn them off only on purpose",

@@ -14,16 +14,13 @@ from ..attention import METHODS, causal_linear_attention
 from ..decoding import step as attention_step
 from ..feature_maps import identity
 from ._blocks import (
+    Block,
     LayerCache,
     RMSNorm,
     ShortConvolution,
-    check_cache,
-    check_hidden,
     convolve,
     convolve_step,
-    padding_mask,
     positive_int,
-    token_mask,
 )
 
 __all__ = ["GatedLinearAttention"]
@@ -31,7 +28,7 @@ __all__ = ["GatedLinearAttention"]
 _GATE_FNS = {"swish": silu, "silu": silu, "sigmoid": sigmoid}
 
 
-class GatedLinearAttention(nn.Module):
+class GatedLinearAttention(Block):
     r"""Gated linear attention: a per-channel forget gate, an output gate, an RMSNorm.
 
     For ``x`` of shape ``(batch, T, hidden_size)``, with ``key_dim = hidden_size * expand_k``
@@ -274,107 +271,23 @@ class GatedLinearAttention(nn.Module):
                 o = o * _GATE_FNS[self.gate_fn](self.g_proj(x))
         return self.o_proj(o)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: LayerCache | None = None,
-        return_cache: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, LayerCache]:
-        """The block over a whole sequence (training, prefill).
-
-        Parameters
-        ----------
-        x : torch.Tensor
-            ``(batch, T, hidden_size)``.
-        attention_mask : torch.Tensor, optional
-            ``(batch, T)``, True (or 1) for real tokens: left or right padding. Padded tokens
-            are selected away before the projections: they reach no real output, no
-            convolution state and no recurrent state, and their outputs are 0.
-        cache : LayerCache, optional
-            The cache after earlier tokens, to continue from.
-        return_cache : bool
-            Also return the cache after the last token.
-
-        Returns
-        -------
-        torch.Tensor or (torch.Tensor, LayerCache)
-            ``(batch, T, hidden_size)``, and the cache with ``return_cache``.
-
-        Examples
-        --------
-        >>> import torch
-        >>> from polylin.torch import GatedLinearAttention
-        >>> layer = GatedLinearAttention(hidden_size=16, num_heads=2)
-        >>> x = torch.randn(2, 6, 16)
-        >>> mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # row 0 left-padded
-        >>> y, cache = layer(x, mask, return_cache=True)
-        >>> y.shape, bool((y[0, :2] == 0).all())
-        (torch.Size([2, 6, 16]), True)
-        """
-        check_hidden(x, "x", 3, self.hidden_size)
-        check_cache(cache, len(self._convs()))
-        batch, T, _ = x.shape
-        mask = padding_mask(attention_mask, batch, T)
-        if mask is not None:
-            x = torch.where(mask[..., None], x, 0.0)
+    def _sequence(
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
+    ) -> tuple[torch.Tensor, LayerCache]:
         (q, k, v, g), conv_state = self._inputs(x, mask, cache, one=False)
         o, state = causal_linear_attention(
             q, k, v, identity, method=self.method, chunk_size=self.chunk_size,
             initial_state=None if cache is None else cache.recurrent_state, return_state=True,
             attention_mask=mask, seq_axis=1, log_decay=g, normalize=False,
         )  # fmt: skip
-        out = self._output(o, x)
-        return (out, LayerCache(conv_state, state)) if return_cache else out
+        return self._output(o, x), LayerCache(conv_state, state)
 
-    def step(
-        self,
-        x_t: torch.Tensor,
-        cache: LayerCache | None = None,
-        *,
-        attention_mask: torch.Tensor | None = None,
+    def _token(
+        self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
     ) -> tuple[torch.Tensor, LayerCache]:
-        """One new token per sequence, from the cache of the tokens before it.
-
-        Parameters
-        ----------
-        x_t : torch.Tensor
-            ``(batch, hidden_size)``.
-        cache : LayerCache, optional
-            From ``forward(..., return_cache=True)`` or an earlier ``step``; ``None`` starts
-            from an empty sequence.
-        attention_mask : torch.Tensor, optional
-            ``(batch,)``: the rows that take this token. The others keep their cache and
-            output 0, whatever ``x_t`` holds there.
-
-        Returns
-        -------
-        y_t : torch.Tensor
-            ``(batch, hidden_size)``.
-        cache : LayerCache
-            The cache after this token.
-
-        Examples
-        --------
-        >>> import torch
-        >>> from polylin.torch import GatedLinearAttention
-        >>> layer = GatedLinearAttention(hidden_size=16, num_heads=2)
-        >>> y_t, cache = layer.step(torch.randn(3, 16))   # the first token of 3 sequences
-        >>> y_t, cache = layer.step(torch.randn(3, 16), cache)
-        >>> y_t.shape
-        torch.Size([3, 16])
-        """
-        check_hidden(x_t, "x_t", 2, self.hidden_size)
-        check_cache(cache, len(self._convs()))
-        mask = token_mask(attention_mask, x_t.shape[0])
-        if mask is not None:
-            x_t = torch.where(mask[:, None], x_t, 0.0)
         (q, k, v, g), conv_state = self._inputs(x_t, mask, cache, one=True)
         o, state = attention_step(
             q, k, v, None if cache is None else cache.recurrent_state, identity,
             attention_mask=mask, log_decay=g, normalize=False,
         )  # fmt: skip
-        out = self._output(o, x_t)
-        if mask is not None:
-            out = torch.where(mask[:, None], out, 0.0)
-        return out, LayerCache(conv_state, state)
+        return self._output(o, x_t), LayerCache(conv_state, state)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -10,8 +9,7 @@ from torch import nn
 
 from .._policy import DEFAULT_CHUNK_SIZE
 from ..activations import sigmoid, softplus
-from ..delta_rule import DELTA_METHODS
-from ._blocks import RMSNorm, ShortConvolution, inverse_softplus_dt, positive_int
+from ._blocks import RMSNorm, inverse_softplus_dt
 from ._delta_block import DeltaRuleBlock
 
 __all__ = ["KimiDeltaAttention"]
@@ -129,48 +127,25 @@ class KimiDeltaAttention(DeltaRuleBlock):
         dtype: Any = None,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("hidden_size", hidden_size), ("head_dim", head_dim), ("num_heads", num_heads),
-            ("conv_size", conv_size), ("chunk_size", chunk_size),
-        ):  # fmt: skip
-            positive_int(name, value)
-        num_v_heads = num_heads if num_v_heads is None else positive_int("num_v_heads", num_v_heads)
-        if num_v_heads % num_heads:
-            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of {num_heads=}")
-        head_v_dim = head_dim * expand_v
-        if not math.isclose(head_v_dim, round(head_v_dim)) or round(head_v_dim) < 1:
-            raise ValueError(
-                f"head_dim * expand_v = {head_dim} * {expand_v} must be a positive integer"
-            )
-        if method not in DELTA_METHODS:
-            raise ValueError(f"method must be one of {DELTA_METHODS}, got {method!r}")
         if safe_gate and lower_bound is None:
             raise ValueError("safe_gate needs lower_bound")
         if lower_bound is not None and not lower_bound < 0:
             raise ValueError(f"lower_bound must be < 0, got {lower_bound}")
-        self.hidden_size, self.expand_v, self.head_dim = hidden_size, expand_v, head_dim
-        self.num_heads, self.num_v_heads = num_heads, num_v_heads
-        self.head_k_dim, self.head_v_dim = head_dim, round(head_v_dim)
-        self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * self.head_v_dim
-        self.gate_dim = num_v_heads * head_dim
-        self.method, self.chunk_size = method, chunk_size
-        self.use_short_conv, self.allow_neg_eigval = use_short_conv, allow_neg_eigval
+        kw = self._init_heads(
+            hidden_size=hidden_size, expand_v=expand_v, head_dim=head_dim, num_heads=num_heads,
+            num_v_heads=num_v_heads, method=method, chunk_size=chunk_size,
+            use_short_conv=use_short_conv, allow_neg_eigval=allow_neg_eigval,
+            conv_size=conv_size, conv_bias=conv_bias, norm_eps=norm_eps, device=device,
+            dtype=dtype,
+        )  # fmt: skip
         self.safe_gate, self.lower_bound = safe_gate, lower_bound
-        self.conv_size, self.conv_bias, self.norm_eps = conv_size, conv_bias, norm_eps
-        kw = {"device": device, "dtype": dtype}
+        num_v_heads = self.num_v_heads
+        self.gate_dim = num_v_heads * head_dim
         dtype = dtype or torch.get_default_dtype()
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **kw)
-        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **kw)
-        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False, **kw)
-        if use_short_conv:
-            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, **kw)
-            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, **kw)
-            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, **kw)
         self.f_proj = nn.Sequential(
             nn.Linear(hidden_size, self.head_v_dim, bias=False, **kw),
             nn.Linear(self.head_v_dim, self.gate_dim, bias=False, **kw),
         )
-        self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False, **kw)
         if safe_gate:
             A_log = torch.zeros(num_v_heads, device=device)
         else:

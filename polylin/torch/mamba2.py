@@ -13,21 +13,18 @@ from ..attention import causal_linear_attention
 from ..decoding import step as attention_step
 from ..feature_maps import identity
 from ._blocks import (
+    Block,
     LayerCache,
     RMSNorm,
     ShortConvolution,
-    check_cache,
-    check_hidden,
     inverse_softplus_dt,
-    padding_mask,
     positive_int,
-    token_mask,
 )
 
 __all__ = ["Mamba2"]
 
 
-class Mamba2(nn.Module):
+class Mamba2(Block):
     r"""Mamba-2's block: in-projection, short convolution, the SSD scan, D skip, gated RMSNorm.
 
     For ``x`` of shape ``(batch, T, hidden_size)``, with ``intermediate_size = expand *
@@ -253,50 +250,12 @@ class Mamba2(nn.Module):
         y = self.norm(y, z) if self.rmsnorm else y * silu(z)
         return self.out_proj(y)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: LayerCache | None = None,
-        return_cache: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, LayerCache]:
-        """The block over a whole sequence (training, prefill).
+    def _convs(self) -> list[ShortConvolution]:
+        return [self.conv1d]
 
-        Parameters
-        ----------
-        x : torch.Tensor
-            ``(batch, T, hidden_size)``.
-        attention_mask : torch.Tensor, optional
-            ``(batch, T)``, True (or 1) for real tokens: left or right padding. Padded tokens
-            are selected away before the in-projection: they reach no real output and no
-            state, and their outputs are 0.
-        cache : LayerCache, optional
-            The cache after earlier tokens, to continue from.
-        return_cache : bool
-            Also return the cache after the last token.
-
-        Returns
-        -------
-        torch.Tensor or (torch.Tensor, LayerCache)
-            ``(batch, T, hidden_size)``, and the cache with ``return_cache``.
-
-        Examples
-        --------
-        >>> import torch
-        >>> from polylin.torch import Mamba2
-        >>> layer = Mamba2(hidden_size=16, head_dim=8, state_size=4)
-        >>> x = torch.randn(2, 6, 16)
-        >>> mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # row 0 left-padded
-        >>> y, cache = layer(x, mask, return_cache=True)
-        >>> y.shape, bool((y[0, :2] == 0).all())
-        (torch.Size([2, 6, 16]), True)
-        """
-        check_hidden(x, "x", 3, self.hidden_size)
-        check_cache(cache, 1)
-        batch, T, _ = x.shape
-        mask = padding_mask(attention_mask, batch, T)
-        if mask is not None:
-            x = torch.where(mask[..., None], x, 0.0)
+    def _sequence(
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
+    ) -> tuple[torch.Tensor, LayerCache]:
         z, xBC, dt = self._split(x)
         conv_state = None if cache is None else cache.conv_state[0]
         xBC, conv_state = self.conv1d(xBC, mask, conv_state, True)
@@ -306,53 +265,11 @@ class Mamba2(nn.Module):
             initial_state=None if cache is None else cache.recurrent_state, return_state=True,
             attention_mask=mask, seq_axis=1, log_decay=log_decay, normalize=False,
         )  # fmt: skip
-        out = self._output(y, xs, z)
-        if mask is not None:  # 0, not out_proj's bias, as in step
-            out = torch.where(mask[..., None], out, 0.0)
-        return (out, LayerCache((conv_state,), state)) if return_cache else out
+        return self._output(y, xs, z), LayerCache((conv_state,), state)
 
-    def step(
-        self,
-        x_t: torch.Tensor,
-        cache: LayerCache | None = None,
-        *,
-        attention_mask: torch.Tensor | None = None,
+    def _token(
+        self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
     ) -> tuple[torch.Tensor, LayerCache]:
-        """One new token per sequence, from the cache of the tokens before it.
-
-        Parameters
-        ----------
-        x_t : torch.Tensor
-            ``(batch, hidden_size)``.
-        cache : LayerCache, optional
-            From ``forward(..., return_cache=True)`` or an earlier ``step``; ``None`` starts
-            from an empty sequence.
-        attention_mask : torch.Tensor, optional
-            ``(batch,)``: the rows that take this token. The others keep their cache and
-            output 0, whatever ``x_t`` holds there.
-
-        Returns
-        -------
-        y_t : torch.Tensor
-            ``(batch, hidden_size)``.
-        cache : LayerCache
-            The cache after this token.
-
-        Examples
-        --------
-        >>> import torch
-        >>> from polylin.torch import Mamba2
-        >>> layer = Mamba2(hidden_size=16, head_dim=8, state_size=4)
-        >>> y_t, cache = layer.step(torch.randn(3, 16))   # the first token of 3 sequences
-        >>> y_t, cache = layer.step(torch.randn(3, 16), cache)
-        >>> y_t.shape
-        torch.Size([3, 16])
-        """
-        check_hidden(x_t, "x_t", 2, self.hidden_size)
-        check_cache(cache, 1)
-        mask = token_mask(attention_mask, x_t.shape[0])
-        if mask is not None:
-            x_t = torch.where(mask[:, None], x_t, 0.0)
         z, xBC, dt = self._split(x_t)
         conv_state = None if cache is None else cache.conv_state[0]
         xBC, conv_state = self.conv1d.step(xBC, conv_state, mask)
@@ -361,7 +278,4 @@ class Mamba2(nn.Module):
             q, k, v, None if cache is None else cache.recurrent_state, identity,
             attention_mask=mask, log_decay=log_decay, normalize=False,
         )  # fmt: skip
-        out = self._output(y, xs, z)
-        if mask is not None:
-            out = torch.where(mask[:, None], out, 0.0)
-        return out, LayerCache((conv_state,), state)
+        return self._output(y, xs, z), LayerCache((conv_state,), state)
