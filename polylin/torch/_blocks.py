@@ -21,7 +21,6 @@ __all__ = [
     "check_cache",
     "check_hidden",
     "convolve",
-    "convolve_step",
     "inverse_softplus_dt",
     "padding_mask",
     "positive_int",
@@ -281,26 +280,15 @@ def convolve(
     inputs: list[torch.Tensor],
     mask: torch.Tensor | None,
     states: tuple[torch.Tensor, ...] | None,
+    *,
+    one: bool,
 ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
-    """Each input through its short convolution, from its state; the outputs and new states."""
+    """Each input through its short convolution from its state (``one``: a single token);
+    the outputs and the new states."""
     outputs, new_states = [], []
     for i, (conv, x) in enumerate(zip(convs, inputs)):
-        y, state = conv(x, mask, None if states is None else states[i], True)
-        outputs.append(y)
-        new_states.append(state)
-    return outputs, tuple(new_states)
-
-
-def convolve_step(
-    convs: list[ShortConvolution],
-    inputs: list[torch.Tensor],
-    mask: torch.Tensor | None,
-    states: tuple[torch.Tensor, ...] | None,
-) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
-    """One token through each short convolution; the outputs and new states."""
-    outputs, new_states = [], []
-    for i, (conv, x) in enumerate(zip(convs, inputs)):
-        y, state = conv.step(x, None if states is None else states[i], mask)
+        state = None if states is None else states[i]
+        y, state = conv.step(x, state, mask) if one else conv(x, mask, state, True)
         outputs.append(y)
         new_states.append(state)
     return outputs, tuple(new_states)

@@ -16,7 +16,6 @@ from ._blocks import (
     LayerCache,
     ShortConvolution,
     convolve,
-    convolve_step,
     positive_int,
 )
 
@@ -134,8 +133,7 @@ class DeltaRuleBlock(Block):
         projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
         states = None if cache is None else cache.conv_state
         if self.use_short_conv:
-            run = convolve_step if one else convolve
-            projected, conv_state = run(self._convs(), projected, mask, states)
+            projected, conv_state = convolve(self._convs(), projected, mask, states, one=one)
         else:
             projected, conv_state = [silu(p) for p in projected], ()
         lead = x.shape[:-1]

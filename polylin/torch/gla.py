@@ -19,7 +19,6 @@ from ._blocks import (
     RMSNorm,
     ShortConvolution,
     convolve,
-    convolve_step,
     positive_int,
 )
 
@@ -237,9 +236,8 @@ class GatedLinearAttention(Block):
         projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
         conv_state: tuple[torch.Tensor, ...] = ()
         if self.use_short_conv:
-            run = convolve_step if one else convolve
             states = None if cache is None else cache.conv_state
-            projected, conv_state = run(self._convs(), projected, mask, states)
+            projected, conv_state = convolve(self._convs(), projected, mask, states, one=one)
         lead = x.shape[:-1]
         q = projected[0].view(*lead, self.num_heads, self.head_k_dim)
         k = projected[1].view(*lead, self.num_kv_heads, self.head_k_dim)
