@@ -152,52 +152,80 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]])
     its diagonal (0 above it) or ``"solve"`` for the unit lower-triangular ``(I - L)^{-1}``,
     ``L`` the strictly lower part of ``M`` (pass negated rows for ``(I + L)^{-1}``).
 
-    Each level costs ``O(d)`` products per token per row set and one batched matmul per row
-    set; the 1 x 1 corners of the first level are row sums (a tiny batched matmul's backward
-    costs several times as much).
+    Each level costs one batched matmul per row set and ``O(d)`` products per token per row
+    set for a per-channel gate (``O(h)`` per token for a scalar one); the 1 x 1 corners of the
+    first level are row sums (a tiny batched matmul's backward costs several times as much).
     """
     chunk = K.shape[-2]
     kinds = [kind for _, kind in rows]
     decayed = [R for R, _ in rows]  # r_t decayed from the start of its stretch to t
     keys = K  # k_s decayed from s (exclusive) to the end of its stretch
     whole = None if G is None else xp.exp(G)  # (..., C / h, w): the decay of each stretch
-    if whole is not None:
+    # A scalar gate keeps its factors apart, (..., C, 1) for the rows and the keys, and scales
+    # each h x h corner by their outer product: h^2 products per block instead of 2 h d.
+    scalar = whole is not None and whole.shape[-1] == 1
+    row_factor, key_factor = whole, None
+    if whole is not None and not scalar:
         decayed = [R * whole for R in decayed]
-    matrices = []
-    for R, kind in rows:
-        if kind == SCORES:  # s = t: undecayed
-            matrices.append(xp.sum(R * K, axis=-1)[..., None, None])
-        else:  # 1 x 1 inverses
-            shape = (*_shape(R, K), 1, 1)
-            matrices.append(xp.ones(shape, dtype=K.dtype, device=device(K)))
+    matrices: list[Any] = []
+    for R, kind in rows:  # s = t: undecayed
+        matrices.append(xp.sum(R * K, axis=-1)[..., None, None] if kind == SCORES else None)
     h = 1
     while h < chunk:
         pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
         upper_k, lower_k = unstack(xp, _halves(xp, keys, pairs), axis=-3)
         halves = [unstack(xp, _halves(xp, R, pairs), axis=-3) for R in decayed]
+        if scalar:
+            _, low_f = unstack(xp, _halves(xp, row_factor, pairs), axis=-3)
+            if key_factor is None:
+                outer = low_f
+            else:
+                up_f, _ = unstack(xp, _halves(xp, key_factor, pairs), axis=-3)
+                outer = low_f * xp.matrix_transpose(up_f)
         for i, (kind, (_, lower_r)) in enumerate(zip(kinds, halves)):
             if h == 1:
                 corner = xp.sum(lower_r * upper_k, axis=-1)[..., None]
             else:
                 corner = xp.matmul(lower_r, xp.matrix_transpose(upper_k))  # t lower, s upper
+            if scalar:
+                corner = corner * outer
+            M = matrices[i]
             if kind == SCORES:
-                M = matrices[i]
                 upper, lower = unstack(xp, xp.reshape(M, (*M.shape[:-3], pairs, 2, h, h)), axis=-3)
                 matrices[i] = _merge(xp, upper, corner, lower, xp.zeros_like(upper))
+            elif M is None:  # the 2 x 2 inverses [[1, 0], [l, 1]]
+                entry = corner[..., 0, 0]
+                one, zero = xp.ones_like(entry), xp.zeros_like(entry)
+                pattern = xp.stack([one, zero, entry, one], axis=-1)
+                matrices[i] = xp.reshape(pattern, (*entry.shape, 2, 2))
             else:
-                matrices[i] = merge_inverse(xp, matrices[i], corner, pairs)
-        if whole is None:
-            keys = _joined(xp, upper_k, lower_k)
-        else:
+                matrices[i] = merge_inverse(xp, M, corner, pairs)
+        if whole is not None:
             # Stretches of 2h: a row in the second half also crosses the whole first half, a
             # key in the first half the whole second half; the other halves are unchanged (not
             # multiplied by ones: autograd keeps only the halves it multiplies).
             *g_lead, _, width = whole.shape
             first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
-            decayed = [_joined(xp, up, low * first) for up, low in halves]
-            keys = _joined(xp, upper_k * second, lower_k)
+            if scalar:
+                up_f, low_f = unstack(xp, _halves(xp, row_factor, pairs), axis=-3)
+                row_factor = _joined(xp, up_f, low_f * first)
+                if key_factor is None:
+                    key_factor = _joined(xp, second, xp.ones_like(second))
+                else:
+                    up_f, low_f = unstack(xp, _halves(xp, key_factor, pairs), axis=-3)
+                    key_factor = _joined(xp, up_f * second, low_f)
+            else:
+                decayed = [_joined(xp, up, low * first) for up, low in halves]
+                keys = _joined(xp, upper_k * second, lower_k)
             whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
+    if scalar:
+        decayed = [R * row_factor for R in decayed]
+        keys = K if key_factor is None else K * key_factor
+    matrices = [
+        xp.ones((*_shape(R, K), 1, 1), dtype=K.dtype, device=device(K)) if M is None else M
+        for M, (R, _) in zip(matrices, rows)
+    ]  # C = 1
     matrices = [xp.reshape(M, (*M.shape[:-3], chunk, chunk)) for M in matrices]
     return IntraChunk(matrices, decayed, keys, whole)
 
