@@ -496,3 +496,22 @@ def test_decode_benchmark_runs_tiny(tmp_path, capsys) -> None:
         row["gdn_cache_bytes"] == result["rows"][0]["gdn_cache_bytes"] for row in result["rows"]
     )
     assert "the layer adds" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["gdn-gva-neg-eigval", "kda", "gla-conv-mqa-sigmoid", "mamba2"])
+def test_bfloat16_layers_follow_float32(name, rng) -> None:
+    """bfloat16 weights and inputs: bfloat16 outputs near float32's; float32 caches."""
+    layer64, _ = make(name)
+    cls, options, _ = CONFIGS[name]
+    layer32, layer16 = (cls(**options, dtype=d) for d in (torch.float32, torch.bfloat16))
+    layer32.load_state_dict(layer64.state_dict())
+    layer16.load_state_dict(layer64.state_dict())
+    x = torch.tensor(rng.standard_normal((2, 9, HIDDEN)), dtype=torch.float32)
+    with torch.no_grad():
+        want = layer32(x)
+        out, cache = layer16(x.bfloat16(), return_cache=True)
+        y_t, cache = layer16.step(x[:, 0].bfloat16(), cache)
+    assert out.dtype == y_t.dtype == torch.bfloat16
+    assert (out.float() - want).abs().max() < 0.03 * want.abs().max()
+    states = [*cache.conv_state, getattr(cache.recurrent_state, "S", cache.recurrent_state)]
+    assert all(s.dtype == torch.float32 for s in states)
