@@ -1,11 +1,15 @@
 """Train a small character language model in PyTorch with polylin's linear attention.
 
     python examples/char_lm_torch.py --steps 1000 --out runs/torch
+    python examples/char_lm_torch.py --steps 1000 --layer gated-deltanet --out runs/gdn
 
 The model (``examples/charlm.py``: embedding, pre-norm blocks of multi-head causal linear
 attention and an MLP, RMSNorm, tied output head) trains on this project's README and docs pages,
 with a progress bar showing the loss. Every attention layer calls
-``polylin.causal_linear_attention`` (the chunked form) on ``(batch, heads, T, d_head)`` tensors.
+``polylin.causal_linear_attention`` (the chunked form) on ``(batch, heads, T, d_head)`` tensors;
+with ``--layer gated-deltanet`` every block's attention is a Gated DeltaNet block instead (the
+parameters of ``polylin.torch.GatedDeltaNet``, under its names), on
+``polylin.delta_rule_attention``.
 
 It writes to ``--out``:
 

@@ -13,6 +13,13 @@ each token is its normalized hidden vector concatenated with the previous token'
 linear attention with a positive feature map has no notion of position, and this one-token look
 back gives the model local order at the cost of one vector per layer in the decoding state.
 
+With ``layer="gated-deltanet"`` each block's attention is a Gated DeltaNet block instead
+(:class:`polylin.torch.GatedDeltaNet`'s computation, its parameters under the same names and
+shapes, here written with polylin's functions so that it too runs on any arrays): short causal
+convolutions on q, k, v (:func:`polylin.causal_conv1d`; they give the model local order, so there
+is no token shift), :func:`polylin.delta_rule_attention` for training and prefill,
+:func:`polylin.delta_rule_step` for decoding, and the gated RMSNorm (:func:`polylin.rms_norm`).
+
 This module imports NumPy (for data and initialization) and polylin, never PyTorch or JAX.
 """
 
@@ -32,12 +39,24 @@ import numpy as np
 from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
-from polylin import LinearAttentionState, causal_linear_attention, step
+from polylin import (
+    causal_conv1d,
+    causal_conv1d_step,
+    causal_linear_attention,
+    delta_rule_attention,
+    delta_rule_step,
+    step,
+)
+from polylin import rms_norm as gated_rms_norm
+from polylin.activations import sigmoid, softplus
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The "
 SAMPLE_TOKENS = 200
 NORM_EPS = 1e-5
+#: The attention of each block: linear attention with a token shift, or a Gated DeltaNet block.
+LAYERS = ("linear", "gated-deltanet")
+CONV_SIZE = 4  # the Gated DeltaNet block's short convolutions
 
 Params = dict[str, Any]
 
@@ -107,12 +126,47 @@ def split(data: np.ndarray, fraction: float = 0.9) -> tuple[np.ndarray, np.ndarr
 
 
 # -- parameters --------------------------------------------------------------------------------
+def gdn_init(
+    rng: np.random.Generator, d_model: int, n_heads: int, out_std: float
+) -> dict[str, np.ndarray]:
+    """A Gated DeltaNet block's parameters, named and shaped as in
+    ``polylin.torch.GatedDeltaNet(hidden_size=d_model, num_heads=n_heads,
+    head_dim=d_model // n_heads, expand_v=1, conv_size=4)``'s state dict (``Linear`` weights are
+    ``(out, in)``); Mamba's initialization of ``A_log`` and ``dt_bias``."""
+
+    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    std = 1 / math.sqrt(d_model)
+    bound = 1 / math.sqrt(CONV_SIZE)  # nn.Conv1d's default for a depthwise kernel
+    dt = np.exp(rng.uniform(math.log(1e-3), math.log(0.1), n_heads)).clip(min=1e-4)
+    params = {f"{n}_proj.weight": normal((d_model, d_model), std) for n in "qkvg"}
+    params |= {f"{n}_proj.weight": normal((n_heads, d_model), std) for n in "ab"}
+    params |= {
+        f"{n}_conv1d.weight": rng.uniform(-bound, bound, (d_model, 1, CONV_SIZE)).astype(np.float32)
+        for n in "qkv"
+    }
+    params["A_log"] = np.log(rng.uniform(1, 16, n_heads)).astype(np.float32)
+    params["dt_bias"] = (dt + np.log(-np.expm1(-dt))).astype(np.float32)  # softplus^-1
+    params["o_norm.weight"] = np.ones(d_model // n_heads, np.float32)
+    params["o_proj.weight"] = normal((d_model, d_model), out_std)
+    return params
+
+
 def init_params(
-    vocab_size: int, *, d_model: int, n_heads: int, n_layers: int, seed: int
+    vocab_size: int,
+    *,
+    d_model: int,
+    n_heads: int,
+    n_layers: int,
+    seed: int,
+    layer: str = "linear",
 ) -> dict[str, np.ndarray]:
     """Float32 NumPy parameters: the same seed gives the same model in every framework."""
     if d_model % n_heads:
         raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
+    if layer not in LAYERS:
+        raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
     rng = np.random.default_rng(seed)
 
     def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
@@ -121,10 +175,16 @@ def init_params(
     residual_std = 1 / math.sqrt(2 * n_layers)  # keeps the residual stream's growth in check
     params = {"embed": normal((vocab_size, d_model), 0.02)}
     for i in range(n_layers):
+        params[f"block{i}.attn_norm"] = np.ones(d_model, np.float32)
+        if layer == "gated-deltanet":
+            attn = gdn_init(rng, d_model, n_heads, residual_std / math.sqrt(d_model))
+            params |= {f"block{i}.attn.{name}": w for name, w in attn.items()}
+        else:
+            params |= {
+                f"block{i}.qkv": normal((2 * d_model, 3 * d_model), 1 / math.sqrt(2 * d_model)),
+                f"block{i}.out": normal((d_model, d_model), residual_std / math.sqrt(d_model)),
+            }
         params |= {
-            f"block{i}.attn_norm": np.ones(d_model, np.float32),
-            f"block{i}.qkv": normal((2 * d_model, 3 * d_model), 1 / math.sqrt(2 * d_model)),
-            f"block{i}.out": normal((d_model, d_model), residual_std / math.sqrt(d_model)),
             f"block{i}.mlp_norm": np.ones(d_model, np.float32),
             f"block{i}.fc1": normal((d_model, 4 * d_model), 1 / math.sqrt(d_model)),
             f"block{i}.fc2": normal((4 * d_model, d_model), residual_std / math.sqrt(4 * d_model)),
@@ -134,7 +194,54 @@ def init_params(
 
 
 def n_layers_of(params: Params) -> int:
-    return sum(1 for name in params if name.endswith(".qkv"))
+    return sum(1 for name in params if name.endswith(".attn_norm"))
+
+
+def is_gdn(params: Params, i: int) -> bool:
+    """Whether block ``i`` is a Gated DeltaNet block (else linear attention)."""
+    return f"block{i}.attn.q_proj.weight" in params
+
+
+def gdn_attention(
+    params: Params, i: int, h: Any, *, n_heads: int, cache: Any = None
+) -> tuple[Any, tuple[tuple[Any, ...], Any]]:
+    """Block ``i``'s Gated DeltaNet over ``h`` ``(batch, T, d)`` (``(batch, d)``: one token, then
+    ``cache`` is needed); returns the output and the block's cache ``(conv states, S)``."""
+    xp = array_namespace(h)
+    p = f"block{i}.attn."
+    one = h.ndim == 2
+
+    def proj(name: str) -> Any:
+        return h @ xp.matrix_transpose(params[p + name])
+
+    convs = []
+    for j, n in enumerate("qkv"):
+        weight = params[f"{p}{n}_conv1d.weight"][:, 0, :]
+        state = None if cache is None else cache[0][j]
+        if one:
+            y, state = causal_conv1d_step(proj(f"{n}_proj.weight"), weight, state=state,
+                                          activation="silu")  # fmt: skip
+        else:
+            y, state = causal_conv1d(proj(f"{n}_proj.weight"), weight, state=state,
+                                     activation="silu", return_state=True)  # fmt: skip
+        convs.append((y, state))
+    lead = h.shape[:-1]
+    d_head = h.shape[-1] // n_heads
+    q, k, v = (xp.reshape(y, (*lead, n_heads, d_head)) for y, _ in convs)
+    beta = sigmoid(proj("b_proj.weight"))[..., None]
+    g = -xp.exp(params[p + "A_log"]) * softplus(proj("a_proj.weight") + params[p + "dt_bias"])
+    options = dict(log_decay=g[..., None], scale=d_head**-0.5, qk_l2norm=True)
+    S = None if cache is None else cache[1]
+    if one:
+        o, S = delta_rule_step(q, k, v, beta, S, **options)
+    else:
+        o, S = delta_rule_attention(
+            q, k, v, beta, initial_state=S, return_state=True, seq_axis=1, **options
+        )
+    gate = xp.reshape(proj("g_proj.weight"), o.shape)
+    o = gated_rms_norm(o, params[p + "o_norm.weight"], gate=gate, eps=NORM_EPS)
+    out = xp.reshape(o, h.shape) @ xp.matrix_transpose(params[p + "o_proj.weight"])
+    return out, (tuple(state for _, state in convs), S)
 
 
 def save_weights(path: Path, params: dict[str, np.ndarray], *, n_heads: int) -> None:
@@ -179,12 +286,13 @@ def head_logits(params: Params, x: Any) -> Any:
 
 @dataclass
 class Cache:
-    """What decoding carries per layer: polylin's state and the last token's normalized input.
+    """What decoding carries per layer: polylin's state and the last token's normalized input
+    (for a Gated DeltaNet block: its convolution states and delta-rule state, and ``None``).
 
     Its size does not depend on how many tokens it summarizes.
     """
 
-    states: list[LinearAttentionState]
+    states: list[Any]
     last: list[Any]
 
 
@@ -201,6 +309,13 @@ def forward(params: Params, tokens: Any, *, n_heads: int, return_cache: bool = F
     states, last = [], []
     for i in range(n_layers_of(params)):
         h = rms_norm(x, params[f"block{i}.attn_norm"])
+        if is_gdn(params, i):
+            o, block_cache = gdn_attention(params, i, h, n_heads=n_heads)
+            states.append(block_cache)
+            last.append(None)
+            x = x + o
+            x = x + mlp(params, i, x)
+            continue
         previous = xp.concat([xp.zeros_like(h[:, :1, :]), h[:, :-1, :]], axis=1)
         qkv = xp.concat([h, previous], axis=-1) @ params[f"block{i}.qkv"]
         # (batch, T, 3, heads, d_head) -> three (batch, heads, T, d_head)
@@ -231,6 +346,13 @@ def decode(params: Params, token: Any, cache: Cache, *, n_heads: int) -> tuple[A
     states, last = [], []
     for i in range(n_layers_of(params)):
         h = rms_norm(x, params[f"block{i}.attn_norm"])
+        if is_gdn(params, i):
+            o, block_cache = gdn_attention(params, i, h, n_heads=n_heads, cache=cache.states[i])
+            states.append(block_cache)
+            last.append(None)
+            x = x + o
+            x = x + mlp(params, i, x)
+            continue
         qkv = xp.concat([h, cache.last[i]], axis=-1) @ params[f"block{i}.qkv"]
         qkv = xp.permute_dims(xp.reshape(qkv, (batch, 3, n_heads, -1)), (1, 0, 2, 3))
         o, state = step(qkv[0, ...], qkv[1, ...], qkv[2, ...], cache.states[i])
@@ -381,13 +503,15 @@ def prepare_run(args: argparse.Namespace, framework: str) -> tuple[Any, Any, Any
     vocab = Vocab.from_text(text)
     train_data, val_data = split(vocab.encode(text))
     print(
-        f"text: {len(text):,} characters, vocabulary {len(vocab)}; model: {args.layers} layers, "
+        f"text: {len(text):,} characters, vocabulary {len(vocab)}; model: {args.layers} "
+        f"{args.layer} layers, "
         f"d_model {args.d_model}, {args.heads} heads; {args.steps} steps of "
         f"{args.batch} x {args.context} characters; {framework}"
     )
     init = init_params(
-        len(vocab), d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, seed=args.seed
-    )
+        len(vocab), d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
+        seed=args.seed, layer=args.layer,
+    )  # fmt: skip
     return vocab, train_data, val_data, init
 
 
@@ -399,6 +523,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-model", type=positive_int, default=128, help="model width")
     parser.add_argument("--heads", type=positive_int, default=4, help="attention heads")
     parser.add_argument("--layers", type=positive_int, default=2, help="blocks")
+    parser.add_argument(
+        "--layer", choices=LAYERS, default="linear",
+        help="each block's attention: linear attention, or a Gated DeltaNet block",
+    )  # fmt: skip
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="initialization and batch order")
     parser.add_argument(

@@ -5,7 +5,7 @@ PyTorch, CuPy, JAX, Dask and array-api-strict, and returns arrays of the caller'
 and dtype.
 """
 
-from . import feature_maps
+from . import activations, feature_maps
 from ._state import LinearAttentionState
 from .attention import (
     METHODS,
@@ -13,8 +13,10 @@ from .attention import (
     linear_attention,
     masked_kernel_attention,
 )
+from .convolution import causal_conv1d, causal_conv1d_step
 from .decoding import step
 from .delta_rule import DELTA_METHODS, delta_rule_attention, delta_rule_step
+from .normalization import rms_norm
 
 __version__ = "0.2.0"
 
@@ -23,11 +25,15 @@ __all__ = [
     "METHODS",
     "LinearAttentionState",
     "__version__",
+    "activations",
+    "causal_conv1d",
+    "causal_conv1d_step",
     "causal_linear_attention",
     "delta_rule_attention",
     "delta_rule_step",
     "feature_maps",
     "linear_attention",
     "masked_kernel_attention",
+    "rms_norm",
     "step",
 ]

@@ -123,6 +123,23 @@ if hasattr(polylin, "delta_rule_attention"):
     """
 
 
+for _layer, _options in (
+    ("GatedDeltaNet", "num_heads=2, head_dim=8, num_v_heads=4"),
+    ("KimiDeltaAttention", "num_heads=2, head_dim=8"),
+    ("GatedLinearAttention", "num_heads=2, use_short_conv=True"),
+    ("Mamba2", "head_dim=8, state_size=4"),
+):
+    EXPLAIN_CASES[f"{_layer} layer"] = f"""
+        from polylin.torch import {_layer}
+        x, mask = torch.randn(2, 37, 32), torch.ones(2, 37, dtype=torch.int64)
+        fn, args, kwargs = {_layer}(hidden_size=32, {_options}), (x, mask), {{}}
+    """
+    EXPLAIN_CASES[f"{_layer}.step"] = f"""
+        from polylin.torch import {_layer}
+        fn, args, kwargs = {_layer}(hidden_size=32, {_options}).step, (torch.randn(2, 32),), {{}}
+    """
+
+
 @pytest.fixture(scope="module")
 def explained(torch) -> dict:
     """``torch._dynamo.explain`` of every case, run in one fresh interpreter."""

@@ -77,18 +77,23 @@ def _public_objects() -> dict[str, object]:
     objects = {
         f"polylin.{name}": getattr(polylin, name)
         for name in polylin.__all__
-        if name not in ("__version__", "feature_maps")
+        if name not in ("__version__", "feature_maps", "activations")
     }
     for name in polylin.feature_maps.__all__:
         objects[f"polylin.feature_maps.{name}"] = getattr(polylin.feature_maps, name)
+    for name in polylin.activations.__all__:
+        objects[f"polylin.activations.{name}"] = getattr(polylin.activations, name)
     objects["polylin.testing.Backend"] = Backend
     try:
-        from polylin.torch import LinearAttention
-    except ImportError:  # no PyTorch here: the layer cannot be imported, its page is skipped
+        import polylin.torch as layers
+    except ImportError:  # no PyTorch here: the layers cannot be imported, their page is skipped
         return objects
-    objects["polylin.torch.LinearAttention"] = LinearAttention
-    for method in ("forward", "step", "log_decay"):
-        objects[f"polylin.torch.LinearAttention.{method}"] = getattr(LinearAttention, method)
+    for name in layers.__all__:
+        objects[f"polylin.torch.{name}"] = getattr(layers, name)
+    for name in ("LinearAttention", "GatedDeltaNet", "GatedLinearAttention", "Mamba2"):
+        for method in ("forward", "step", "log_decay"):
+            if method in vars(getattr(layers, name)):
+                objects[f"polylin.torch.{name}.{method}"] = getattr(getattr(layers, name), method)
     return objects
 
 

@@ -1,7 +1,9 @@
 """The examples under ``examples/`` run, at tiny sizes, as a user runs them.
 
 - ``char_lm_torch.py`` trains and writes weights, vocabulary, sample and losses; the loss falls;
-- ``generate_numpy.py`` prints exactly ``sample.txt`` in a Python where ``import torch`` fails;
+- ``generate_numpy.py`` prints exactly ``sample.txt`` in a Python where ``import torch`` fails,
+  also for the Gated DeltaNet model (``--layer gated-deltanet``), whose blocks are
+  ``polylin.torch.GatedDeltaNet``'s;
 - ``char_lm_jax.py`` trains the same model: same initial weights and batches, same first loss;
 - ``decode_vs_kv_cache.py`` reports a state that stays the same size and a cache that grows;
 - bad arguments end with an argparse message (exit status 2), never a traceback.
@@ -74,7 +76,8 @@ def test_torch_training_writes_weights_vocab_sample_and_losses(torch_run: Path) 
     assert (torch_run / "loss.png").stat().st_size > 1000
 
 
-def test_numpy_generation_reproduces_the_sample_without_torch(torch_run: Path, tmp_path) -> None:
+def torch_blocked_env(tmp_path: Path) -> dict:
+    """An environment in which ``import torch`` fails (checked)."""
     blocker = tmp_path / "block_torch"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(
@@ -93,11 +96,66 @@ def test_numpy_generation_reproduces_the_sample_without_torch(torch_run: Path, t
         env=dict(os.environ, **env),
     )
     assert probe.returncode != 0 and "torch is blocked" in probe.stderr
+    return env
+
+
+def test_numpy_generation_reproduces_the_sample_without_torch(torch_run: Path, tmp_path) -> None:
+    env = torch_blocked_env(tmp_path)
     done = run_script(
         "generate_numpy.py", torch_run, "--prompt", "The ", "--tokens", "200", env=env
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == (torch_run / "sample.txt").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def gdn_run(tmp_path_factory) -> Path:
+    """A tiny training run of char_lm_torch.py --layer gated-deltanet: its output directory."""
+    pytest.importorskip("torch")
+    out = tmp_path_factory.mktemp("gdn_run")
+    done = run_script(
+        "char_lm_torch.py", "--steps", TINY_STEPS, "--out", out, "--layer", "gated-deltanet",
+        *TINY,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "gated-deltanet layers" in done.stdout
+    return out
+
+
+def test_gated_deltanet_model_trains_and_numpy_serves_the_same_text(gdn_run, tmp_path) -> None:
+    weights, _ = charlm.load_weights(gdn_run / "weights.npz")
+    assert "block0.attn.q_conv1d.weight" in weights and "block0.qkv" not in weights
+    losses = charlm.read_losses(gdn_run / "losses.csv")
+    assert losses[-1] < losses[0] - 0.3  # it learns
+    done = run_script("generate_numpy.py", gdn_run, env=torch_blocked_env(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (gdn_run / "sample.txt").read_text(encoding="utf-8")
+
+
+def test_gated_deltanet_blocks_are_polylin_torch_s(gdn_run) -> None:
+    """The example's block is polylin.torch.GatedDeltaNet: its weights load by name, and the
+    layer gives the example's outputs, whole sequences and one token."""
+    torch = pytest.importorskip("torch")
+    from polylin.torch import GatedDeltaNet
+
+    weights, n_heads = charlm.load_weights(gdn_run / "weights.npz")
+    params = {name: torch.tensor(w, dtype=torch.float64) for name, w in weights.items()}
+    d_model = weights["embed"].shape[1]
+    layer = GatedDeltaNet(
+        hidden_size=d_model, num_heads=n_heads, head_dim=d_model // n_heads, expand_v=1,
+        dtype=torch.float64,
+    )  # fmt: skip
+    prefix = "block0.attn."
+    layer.load_state_dict(
+        {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
+    )
+    h = torch.randn(2, 9, d_model, dtype=torch.float64)
+    with torch.no_grad():
+        out, cache = charlm.gdn_attention(params, 0, h[:, :8], n_heads=n_heads)
+        want, layer_cache = layer(h[:, :8], return_cache=True)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        y_t, _ = charlm.gdn_attention(params, 0, h[:, 8], n_heads=n_heads, cache=cache)
+        torch.testing.assert_close(y_t, layer.step(h[:, 8], layer_cache)[0], rtol=1e-12, atol=1e-12)
 
 
 def test_jax_trains_the_same_model(torch_run: Path, tmp_path) -> None:

@@ -1,0 +1,108 @@
+"""RMSNorm, with the output gate of Gated DeltaNet, GLA, KDA and Mamba-2 blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._policy import array_namespace
+from ._typing import Array
+from ._validation import namespace_of, work_dtype_for
+from .activations import sigmoid, silu
+
+__all__ = ["GATE_ACTIVATIONS", "rms_norm"]
+
+#: The gate activations of :func:`rms_norm` (``"swish"`` is ``"silu"``).
+GATE_ACTIVATIONS = ("silu", "swish", "sigmoid")
+
+
+def rms_norm(
+    x: Array,
+    weight: Array | None = None,
+    /,
+    *,
+    gate: Array | None = None,
+    eps: float = 1e-5,
+    activation: str = "silu",
+    norm_before_gate: bool = True,
+) -> Array:
+    r"""RMSNorm over the last axis, optionally gated: ``x / rms(x) * weight * act(gate)``.
+
+    ``rms(x) = sqrt(mean(x^2) + eps)`` over the last axis. With ``gate`` the result is
+    multiplied by ``act(gate)`` after the norm (flash-linear-attention's ``FusedRMSNormGated``,
+    the output norm of Gated DeltaNet, GLA and KDA), or, with ``norm_before_gate=False``,
+    ``x * act(gate)`` is normalized (Mamba-2's ``RMSNormGated``). Half-precision inputs are
+    normalized in float32 and cast back.
+
+    Parameters
+    ----------
+    x : array
+        ``(..., d)``. To normalize groups of channels separately (Mamba-2's ``n_groups``),
+        reshape to ``(..., groups, d // groups)`` and the weight to ``(groups, d // groups)``.
+    weight : array, optional
+        Broadcastable to ``x``, usually ``(d,)``; ``None``: no scale.
+    gate : array, optional
+        The shape of ``x``.
+    eps : float
+        Added to the mean square; > 0.
+    activation : {"silu", "swish", "sigmoid"}
+        The gate's activation (``"swish"`` is ``"silu"``; KDA uses ``"sigmoid"``).
+    norm_before_gate : bool
+        ``True``: ``norm(x) * weight * act(gate)``; ``False``: ``norm(x * act(gate)) * weight``.
+
+    Returns
+    -------
+    array
+        The shape, library and dtype of ``x``.
+
+    Raises
+    ------
+    TypeError
+        Non-arrays, arrays of several libraries, non-floating or mismatched dtypes.
+    ValueError
+        ``eps <= 0``, an unknown activation, a gate of another shape than ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import rms_norm
+    >>> x = np.array([[3.0, -4.0]])                 # rms = sqrt((9 + 16) / 2)
+    >>> rms_norm(x, eps=1e-12).round(4)
+    array([[ 0.8485, -1.1314]])
+    >>> gate = np.array([[0.0, 50.0]])               # silu(0) = 0, silu(50) = 50
+    >>> rms_norm(x, np.array([1.0, 2.0]), gate=gate, eps=1e-12).round(4)
+    array([[   0.    , -113.1371]])
+    """
+    arrays = {"x": x}
+    if weight is not None:
+        arrays["weight"] = weight
+    if gate is not None:
+        arrays["gate"] = gate
+    xp = namespace_of(**arrays)
+    if not xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
+    for name, value in arrays.items():
+        if value.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {value.dtype} but x has dtype {x.dtype}")
+    if gate is not None and tuple(gate.shape) != tuple(x.shape):
+        raise ValueError(
+            f"gate must have the shape of x, {tuple(x.shape)}; got {tuple(gate.shape)}"
+        )
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {GATE_ACTIVATIONS}, got {activation!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    work = work_dtype_for(xp, x.dtype)
+
+    def cast(a: Any) -> Any:
+        return a if a.dtype == work else xp.astype(a, work)
+
+    y = cast(x)
+    act = sigmoid if activation == "sigmoid" else silu
+    if gate is not None and not norm_before_gate:
+        y = y * act(cast(gate))
+    y = y / xp.sqrt(xp.mean(y * y, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * cast(weight)
+    if gate is not None and norm_before_gate:
+        y = y * act(cast(gate))
+    return y if y.dtype == x.dtype else array_namespace(y).astype(y, x.dtype)

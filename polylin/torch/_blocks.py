@@ -1,0 +1,435 @@
+"""What the PyTorch layers share: the cache type, the short convolution, the gated RMSNorm,
+the input checks and the gate parameters' initialization. Every number comes from polylin's
+functions; these modules hold parameters and arrange tensors."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ..convolution import causal_conv1d, causal_conv1d_step
+from ..normalization import rms_norm
+
+__all__ = [
+    "Block",
+    "LayerCache",
+    "RMSNorm",
+    "ShortConvolution",
+    "check_cache",
+    "check_hidden",
+    "convolve",
+    "inverse_softplus_dt",
+    "padding_mask",
+    "positive_int",
+]
+
+
+def _tensor(parameter: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter as a plain tensor view: ``torch.compile`` traces polylin's input checks of a
+    tensor, not of an ``nn.Parameter`` (its type's module name is not a constant there)."""
+    return None if parameter is None else parameter[...]
+
+
+class LayerCache(NamedTuple):
+    """What a layer needs to continue a sequence: its convolution states and recurrent state.
+
+    Returned by ``forward(..., return_cache=True)`` and by ``step``, taken back by both. Its
+    size does not grow with the sequence.
+
+    Parameters
+    ----------
+    conv_state : tuple of torch.Tensor
+        One state per short convolution, in the order the layer documents, each the last
+        ``conv_size - 1`` inputs of that convolution: ``(batch, conv_size - 1, channels)``.
+        Empty without short convolutions.
+    recurrent_state : torch.Tensor or polylin.LinearAttentionState
+        The state of the recurrence: a :class:`polylin.LinearAttentionState` for the layers on
+        :func:`polylin.causal_linear_attention` (GLA, Mamba-2), the matrix ``S`` of shape
+        ``(batch, heads, d_k, d_v)`` for the delta-rule layers.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from polylin.torch import GatedDeltaNet
+    >>> layer = GatedDeltaNet(hidden_size=32, num_heads=2, head_dim=8)
+    >>> _, cache = layer(torch.randn(1, 5, 32), return_cache=True)
+    >>> [tuple(s.shape) for s in cache.conv_state], tuple(cache.recurrent_state.shape)
+    ([(1, 3, 16), (1, 3, 16), (1, 3, 32)], (1, 2, 8, 16))
+    """
+
+    conv_state: tuple[torch.Tensor, ...]
+    recurrent_state: Any
+
+
+class ShortConvolution(nn.Conv1d):
+    """Depthwise causal convolution over time with its decoding state (the blocks' short conv).
+
+    An :class:`torch.nn.Conv1d` with ``groups=channels`` (its ``weight`` is
+    ``(channels, 1, kernel_size)``, as in flash-linear-attention's ``ShortConvolution`` and
+    Mamba-2's ``conv1d``) whose forward pass is :func:`polylin.causal_conv1d` on
+    ``(batch, T, channels)`` inputs.
+
+    Parameters
+    ----------
+    hidden_size : int
+        Number of channels.
+    kernel_size : int
+        Width of the convolution.
+    bias : bool
+        Whether it has a bias.
+    activation : {"silu", None}
+        Applied after the convolution.
+    device, dtype : optional
+        As for :class:`torch.nn.Conv1d`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from polylin.torch import ShortConvolution
+    >>> conv = ShortConvolution(6, 4)
+    >>> y, state = conv(torch.randn(2, 9, 6), return_state=True)
+    >>> y.shape, state.shape
+    (torch.Size([2, 9, 6]), torch.Size([2, 3, 6]))
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        kernel_size: int,
+        *,
+        bias: bool = False,
+        activation: str | None = "silu",
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(
+            hidden_size,
+            hidden_size,
+            kernel_size,
+            groups=hidden_size,
+            padding=kernel_size - 1,
+            bias=bias,
+            device=device,
+            dtype=dtype,
+        )
+        self.hidden_size, self.activation = hidden_size, activation
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        state: torch.Tensor | None = None,
+        return_state: bool = False,
+    ) -> Any:
+        """:func:`polylin.causal_conv1d` of ``x`` ``(batch, T, channels)``."""
+        return causal_conv1d(
+            x,
+            self.weight[:, 0],
+            _tensor(self.bias),
+            activation=self.activation,
+            state=state,
+            return_state=return_state,
+            attention_mask=attention_mask,
+        )
+
+    def step(
+        self,
+        x_t: torch.Tensor,
+        state: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`polylin.causal_conv1d_step` of ``x_t`` ``(batch, channels)``."""
+        return causal_conv1d_step(
+            x_t,
+            self.weight[:, 0],
+            _tensor(self.bias),
+            state=state,
+            activation=self.activation,
+            attention_mask=attention_mask,
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis, optionally gated: :func:`polylin.rms_norm` with a weight.
+
+    Parameters
+    ----------
+    hidden_size : int
+        Size of the normalized axis (of each group with ``group_size``).
+    eps : float
+        Added to the mean square.
+    activation : {"silu", "sigmoid"}
+        The gate's activation.
+    norm_before_gate : bool
+        ``True``: ``norm(x) * weight * act(gate)`` (flash-linear-attention's
+        ``FusedRMSNormGated``); ``False``: ``norm(x * act(gate)) * weight`` (Mamba-2).
+    group_size : int, optional
+        Normalize groups of this many channels separately (Mamba-2's ``n_groups``).
+    elementwise_affine : bool
+        Whether it has a ``weight`` (ones at first).
+    device, dtype : optional
+        Where and in which dtype to create the weight.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from polylin.torch import RMSNorm
+    >>> norm = RMSNorm(4)
+    >>> norm(torch.tensor([[3.0, -4.0, 3.0, -4.0]])).detach().round(decimals=4)
+    tensor([[ 0.8485, -1.1314,  0.8485, -1.1314]])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        eps: float = 1e-5,
+        activation: str = "silu",
+        norm_before_gate: bool = True,
+        group_size: int | None = None,
+        elementwise_affine: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size, self.eps, self.activation = hidden_size, eps, activation
+        self.norm_before_gate, self.group_size = norm_before_gate, group_size
+        if group_size is not None and hidden_size % group_size:
+            raise ValueError(f"hidden_size={hidden_size} is not a multiple of {group_size=}")
+        weight = torch.ones(hidden_size, device=device, dtype=dtype)
+        self.weight = nn.Parameter(weight) if elementwise_affine else None
+
+    def extra_repr(self) -> str:
+        """The options, shown by ``print(norm)``."""
+        return (
+            f"{self.hidden_size}, eps={self.eps}, activation={self.activation!r}, "
+            f"norm_before_gate={self.norm_before_gate}, group_size={self.group_size}"
+        )
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalize ``x`` ``(..., hidden_size)``, gated by ``gate`` of the same shape."""
+        weight = _tensor(self.weight)
+        if self.group_size is not None and self.group_size != self.hidden_size:
+            groups = (self.hidden_size // self.group_size, self.group_size)
+            shape = x.shape
+            x = x.reshape(*shape[:-1], *groups)
+            gate = None if gate is None else gate.reshape(*shape[:-1], *groups)
+            weight = None if weight is None else weight.reshape(groups)
+            out = rms_norm(
+                x, weight, gate=gate, eps=self.eps, activation=self.activation,
+                norm_before_gate=self.norm_before_gate,
+            )  # fmt: skip
+            return out.reshape(shape)
+        return rms_norm(
+            x, weight, gate=gate, eps=self.eps, activation=self.activation,
+            norm_before_gate=self.norm_before_gate,
+        )  # fmt: skip
+
+
+def check_hidden(x: Any, name: str, rank: int, hidden_size: int) -> None:
+    """``x`` is a tensor ``(batch, T, hidden_size)`` (rank 3) or ``(batch, hidden_size)``."""
+    layout = "(batch, T, hidden_size)" if rank == 3 else "(batch, hidden_size)"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.ndim != rank or x.shape[-1] != hidden_size:
+        raise ValueError(
+            f"{name} must have shape {layout} with hidden_size={hidden_size}, got {tuple(x.shape)}"
+        )
+
+
+def padding_mask(attention_mask: Any, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """A tokenizer's mask (bool or 0/1) of ``shape`` (``(batch, T)``, or ``(batch,)`` for one
+    token) as a bool tensor; ``None`` stays."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}"
+        )
+    if tuple(attention_mask.shape) != shape:
+        layout = "(batch, T)" if len(shape) == 2 else "(batch,)"
+        raise ValueError(
+            f"attention_mask must have shape {layout} = {shape}, got {tuple(attention_mask.shape)}"
+        )
+    return attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+
+
+def inverse_softplus_dt(
+    size: int,
+    *,
+    dt_min: float = 0.001,
+    dt_max: float = 0.1,
+    dt_init_floor: float = 1e-4,
+    device: Any = None,
+) -> torch.Tensor:
+    """``dt_bias`` at initialization: ``softplus(dt_bias)`` log-uniform in ``[dt_min, dt_max]``.
+
+    Mamba's initialization (also Gated DeltaNet's and KDA's): ``dt`` log-uniform, floored at
+    ``dt_init_floor``, and ``dt_bias = dt + log(-expm1(-dt))``, the inverse of softplus.
+    """
+    log_dt = torch.rand(size, device=device) * (math.log(dt_max) - math.log(dt_min))
+    dt = torch.clamp(torch.exp(log_dt + math.log(dt_min)), min=dt_init_floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+def convolve(
+    convs: list[ShortConvolution],
+    inputs: list[torch.Tensor],
+    mask: torch.Tensor | None,
+    states: tuple[torch.Tensor, ...] | None,
+    *,
+    one: bool,
+) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """Each input through its short convolution from its state (``one``: a single token);
+    the outputs and the new states."""
+    outputs, new_states = [], []
+    for i, (conv, x) in enumerate(zip(convs, inputs)):
+        state = None if states is None else states[i]
+        y, state = conv.step(x, state, mask) if one else conv(x, mask, state, True)
+        outputs.append(y)
+        new_states.append(state)
+    return outputs, tuple(new_states)
+
+
+def check_cache(cache: Any, convs: int) -> None:
+    """A cache given back to a layer is a :class:`LayerCache` with ``convs`` conv states."""
+    if cache is None:
+        return
+    if not isinstance(cache, LayerCache):
+        raise TypeError(f"cache must be a polylin.torch.LayerCache, got {type(cache).__name__}")
+    if len(cache.conv_state) != convs:
+        raise ValueError(
+            f"cache has {len(cache.conv_state)} convolution states; this layer has {convs} "
+            "(is it another layer's cache?)"
+        )
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` as a positive int, or a ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class Block(nn.Module):
+    """What every block does around its own computation: input checks, padding, zero outputs.
+
+    A subclass sets ``hidden_size`` and defines :meth:`_sequence` (a whole sequence) and
+    :meth:`_token` (one token per sequence), which receive inputs whose masked rows are
+    already zeros and return the output and the new :class:`LayerCache`; masked outputs are
+    zeroed here.
+    """
+
+    hidden_size: int
+
+    def _convs(self) -> list[ShortConvolution]:
+        """The block's short convolutions, in the order of the cache's ``conv_state``."""
+        return []
+
+    def _sequence(
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
+    ) -> tuple[torch.Tensor, LayerCache]:
+        raise NotImplementedError
+
+    def _token(
+        self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
+    ) -> tuple[torch.Tensor, LayerCache]:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+        return_cache: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, LayerCache]:
+        """The block over a whole sequence (training, prefill).
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            ``(batch, T, hidden_size)``.
+        attention_mask : torch.Tensor, optional
+            ``(batch, T)``, True (or 1) for real tokens: left or right padding. Padded tokens
+            are selected away before the projections: whatever they hold, they reach no real
+            output, no convolution state and no recurrent state, and their outputs are 0.
+        cache : LayerCache, optional
+            The cache after earlier tokens, to continue from.
+        return_cache : bool
+            Also return the cache after the last token.
+
+        Returns
+        -------
+        torch.Tensor or (torch.Tensor, LayerCache)
+            ``(batch, T, hidden_size)``, and the cache with ``return_cache``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from polylin.torch import GatedDeltaNet
+        >>> layer = GatedDeltaNet(hidden_size=16, num_heads=2, head_dim=4)
+        >>> x = torch.randn(2, 6, 16)
+        >>> mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # row 0 left-padded
+        >>> y, cache = layer(x, mask, return_cache=True)
+        >>> y.shape, bool((y[0, :2] == 0).all())
+        (torch.Size([2, 6, 16]), True)
+        """
+        check_hidden(x, "x", 3, self.hidden_size)
+        check_cache(cache, len(self._convs()))
+        mask = padding_mask(attention_mask, tuple(x.shape[:2]))
+        if mask is not None:
+            x = torch.where(mask[..., None], x, 0.0)
+        out, new_cache = self._sequence(x, mask, cache)
+        if mask is not None:
+            out = torch.where(mask[..., None], out, 0.0)
+        return (out, new_cache) if return_cache else out
+
+    def step(
+        self,
+        x_t: torch.Tensor,
+        cache: LayerCache | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LayerCache]:
+        """One new token per sequence, from the cache of the tokens before it.
+
+        Parameters
+        ----------
+        x_t : torch.Tensor
+            ``(batch, hidden_size)``.
+        cache : LayerCache, optional
+            From ``forward(..., return_cache=True)`` or an earlier ``step``; ``None`` starts
+            from an empty sequence.
+        attention_mask : torch.Tensor, optional
+            ``(batch,)``: the rows that take this token. The others (finished sequences) keep
+            their cache and output 0, whatever ``x_t`` holds there.
+
+        Returns
+        -------
+        y_t : torch.Tensor
+            ``(batch, hidden_size)``.
+        cache : LayerCache
+            The cache after this token.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from polylin.torch import GatedDeltaNet
+        >>> layer = GatedDeltaNet(hidden_size=16, num_heads=2, head_dim=4)
+        >>> y_t, cache = layer.step(torch.randn(3, 16))   # the first token of 3 sequences
+        >>> y_t, cache = layer.step(torch.randn(3, 16), cache)
+        >>> y_t.shape
+        torch.Size([3, 16])
+        """
+        check_hidden(x_t, "x_t", 2, self.hidden_size)
+        check_cache(cache, len(self._convs()))
+        mask = padding_mask(attention_mask, (x_t.shape[0],))
+        if mask is not None:
+            x_t = torch.where(mask[:, None], x_t, 0.0)
+        out, new_cache = self._token(x_t, mask, cache)
+        if mask is not None:
+            out = torch.where(mask[:, None], out, 0.0)
+        return out, new_cache
