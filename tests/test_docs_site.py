@@ -207,7 +207,9 @@ def test_math_pages_load_the_bundled_mathjax(site: Path) -> None:
         if not tree.find_all(cls="math"):
             continue
         math_pages += 1
-        scripts = [_local(page, e.attrs["src"]) for e in tree.find_all("script") if "src" in e.attrs]
+        scripts = [
+            _local(page, e.attrs["src"]) for e in tree.find_all("script") if "src" in e.attrs
+        ]
         assert mathjax.resolve() in scripts, f"{page.relative_to(site)} has math but no MathJax"
     assert math_pages >= 5, f"only {math_pages} pages with math"
 
@@ -298,9 +300,7 @@ def test_math_renders_in_a_browser(site: Path, tmp_path: Path) -> None:
     assert len(containers) >= formulas, f"{len(containers)} typeset formulas of {formulas}"
 
     shot = tmp_path / "concepts.png"
-    result = _chromium(
-        browser, page.as_uri(), f"--screenshot={shot}", profile=tmp_path / "profile"
-    )
+    result = _chromium(browser, page.as_uri(), f"--screenshot={shot}", profile=tmp_path / "profile")
     assert result.returncode == 0 and shot.is_file(), result.stderr[-2000:]
     assert _png_size(shot) == (1280, 1000)
     assert shot.stat().st_size > 20_000, "a blank screenshot"
