@@ -59,9 +59,7 @@ def _form(name: str):
         return scan_attention
 
     def polylin_form(q, k, v, g):
-        return causal_linear_attention(
-            q, k, v, identity, log_decay=g, normalize=False, method=name
-        )
+        return causal_linear_attention(q, k, v, identity, log_decay=g, normalize=False, method=name)
 
     return polylin_form
 

@@ -45,10 +45,8 @@ def test_inputs_have_the_gate_shapes_of_gla():
 
 def test_a_small_run_records_compile_and_steady_times(tmp_path, capsys):
     out = tmp_path / "jax.json"
-    rows = jax_gated.main(
-        ["--lengths", "16", "--gates", "scalar", "--repeats", "1", "--recurrent-max-len", "0"]
-        + ["--json", str(out)]
-    )
+    small = ["--lengths", "16", "--gates", "scalar", "--repeats", "1", "--recurrent-max-len", "0"]
+    rows = jax_gated.main([*small, "--json", str(out)])
     (row,) = rows
     assert row["T"] == 16 and "recurrent_forward_ms" not in row  # above recurrent-max-len
     for form in ("chunked", "scan"):
