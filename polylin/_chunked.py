@@ -51,7 +51,15 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ._ops import causal_mask, pad_rows, split_rows
+from ._ops import (
+    causal_mask,
+    concat_leading,
+    matmul,
+    pad_rows,
+    split_rows,
+    stack_leading,
+    widens,
+)
 from ._policy import cumulative_sum, device, eager_cpu, unstack
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
@@ -99,11 +107,14 @@ def causal_chunked(
     ``features`` maps one block of queries and keys; a feature map acts on each token alone (as
     :func:`polylin.step` also requires), so mapping block by block is exact. ``v`` is in the
     work dtype; ``mask`` (``(..., T, 1)``) and ``log_decay`` (``(..., T or 1, 1 or d_phi)``,
-    already zero at masked tokens) broadcast against the leading dimensions.
+    already zero at masked tokens) broadcast against the leading dimensions, as ``q``, ``k``
+    and ``v`` do against each other (grouped heads); ``S`` and ``z`` have the broadcast ones.
+    Each input keeps its own leading dimensions throughout: nothing is copied per group.
     """
-    *batch, T, d_v = v.shape
+    T, d_v = v.shape[-2:]
+    batch = S.shape[:-2]  # the broadcast leading dimensions of q, k and v
     if T == 0:
-        return v, S, z
+        return xp.broadcast_to(v, (*batch, T, d_v)), S, z
     dev = device(v)
     # z as one more column of S makes the normalizer one more output column (module docstring).
     state = xp.concat([S, z[..., None]], axis=-1)  # (..., d_phi, d_v + 1)
@@ -147,9 +158,11 @@ def _block(
     normalize: bool,
     chained: bool,
 ) -> tuple[Any, Any]:
-    """Outputs of one block of tokens and the state after it (``state``: z is its last column)."""
-    *batch, length, d_v = v.shape
-    d_phi = fq.shape[-1]
+    """Outputs of one block of tokens and the state after it (``state``: z is its last column).
+
+    ``fq``, ``fk``, ``v`` and ``log_decay`` keep their own leading dimensions, which broadcast.
+    """
+    length, d_v = v.shape[-2:]
     chunk = causal.shape[-1]
     n_chunks = -(-length // chunk)
     padded = n_chunks * chunk
@@ -157,13 +170,11 @@ def _block(
         fq, fk, v = (pad_rows(xp, x, padded - length) for x in (fq, fk, v))
         if log_decay is not None:
             log_decay = pad_rows(xp, log_decay, padded - length)
-    Q = xp.reshape(fq, (*batch, n_chunks, chunk, d_phi))
-    K = xp.reshape(fk, (*batch, n_chunks, chunk, d_phi))
-    V = xp.reshape(v, (*batch, n_chunks, chunk, d_v))
+    Q, K, V = (xp.reshape(x, (*x.shape[:-2], n_chunks, chunk, x.shape[-1])) for x in (fq, fk, v))
     if log_decay is None:
         states, new_state = _prefix(xp, _increments(xp, K, V), None, state, chained=chained)
-        scores = xp.where(causal, xp.matmul(Q, xp.matrix_transpose(K)), 0.0)
-        out = xp.matmul(Q, states) + _attend(xp, scores, V)
+        scores = xp.where(causal, matmul(xp, Q, xp.matrix_transpose(K)), 0.0)
+        out = matmul(xp, Q, states) + _attend(xp, scores, V)
     else:
         lead, width = log_decay.shape[:-2], log_decay.shape[-1]
         G = xp.reshape(log_decay, (*lead, n_chunks, chunk, width))
@@ -172,13 +183,28 @@ def _block(
             after = _sum_after(xp, G)  # B - b_s: from s (exclusive) to the chunk end
             total = xp.sum(G, axis=-2, keepdims=True)  # B: the whole chunk
             scores = _scalar_gate_scores(xp, Q, K, G, causal)
-            queries, keys, chunk_decay = Q * xp.exp(before), K * xp.exp(after), xp.exp(total)
+            # A gate of grouped heads has the groups' axis: there Q * exp(b) and K * exp(B - b)
+            # would copy the queries and keys per group, so the scalar per token scales the
+            # rows of Q S and of V instead (the same products; where the gate widens nothing,
+            # scaling the features measured faster).
+            decay = xp.matrix_transpose(xp.exp(total))  # (..., n, 1, 1)
+            if widens(K, after):
+                increments = _increments(xp, K, V, weights=xp.exp(after))
+            else:
+                increments = _increments(xp, K * xp.exp(after), V)
+            states, new_state = _prefix(xp, increments, decay, state, chained=chained)
+            if widens(Q, before):
+                from_state = matmul(xp, Q, states) * xp.exp(before)
+            else:
+                from_state = matmul(xp, Q * xp.exp(before), states)
+            out = from_state + _attend(xp, scores, V)
         else:
             scores, queries, keys, chunk_decay = _channel_gate(xp, Q, K, G)
-        decay = xp.matrix_transpose(chunk_decay)  # (..., n, width, 1): scales state rows
-        states, new_state = _prefix(xp, _increments(xp, keys, V), decay, state, chained=chained)
-        out = xp.matmul(queries, states) + _attend(xp, scores, V)
-    out = xp.reshape(out, (*batch, padded, d_v + 1))
+            decay = xp.matrix_transpose(chunk_decay)  # (..., n, d_phi, 1): scales state rows
+            increments = _increments(xp, keys, V)
+            states, new_state = _prefix(xp, increments, decay, state, chained=chained)
+            out = matmul(xp, queries, states) + _attend(xp, scores, V)
+    out = xp.reshape(out, (*out.shape[:-3], padded, d_v + 1))
     if padded != length:
         out = out[..., :length, :]
     if normalize:
@@ -186,18 +212,26 @@ def _block(
     return out[..., :d_v], new_state
 
 
-def _increments(xp: Any, K: Any, V: Any) -> Any:
+def _increments(xp: Any, K: Any, V: Any, *, weights: Any | None = None) -> Any:
     """``[K^T V, K^T 1]`` per chunk: ``K^T`` times V with a ones column, without building it.
 
     A ones column concatenated to V would be a new array the size of V, which autograd keeps
-    for the backward of both matmuls; the column sums of K are the same numbers.
+    for the backward of both matmuls; the column sums of K are the same numbers. ``weights``
+    (``(..., C, 1)``) scale the rows: ``[K^T (w V), K^T w]``. The key column has the keys'
+    leading dimensions and is broadcast into the result (grouped heads).
     """
-    return xp.concat([xp.matmul(xp.matrix_transpose(K), V), xp.sum(K, axis=-2)[..., None]], axis=-1)
+    Kt = xp.matrix_transpose(K)
+    if weights is None:
+        parts = [matmul(xp, Kt, V), xp.sum(K, axis=-2)[..., None]]
+    else:
+        parts = [matmul(xp, Kt, V * weights), matmul(xp, Kt, weights)]
+    return concat_leading(xp, parts, axis=-1)
 
 
 def _attend(xp: Any, scores: Any, V: Any) -> Any:
     """``scores @ [V, 1]``: the intra-chunk outputs and their normalizer column."""
-    return xp.concat([xp.matmul(scores, V), xp.sum(scores, axis=-1, keepdims=True)], axis=-1)
+    parts = [matmul(xp, scores, V), xp.sum(scores, axis=-1, keepdims=True)]
+    return concat_leading(xp, parts, axis=-1)
 
 
 def _sum_after(xp: Any, G: Any) -> Any:
@@ -227,7 +261,7 @@ def _segment_sums(xp: Any, G: Any, axis: int) -> Any:
 def _scalar_gate_scores(xp: Any, Q: Any, K: Any, G: Any, causal: Any) -> Any:
     """``where(s <= t, (q_t . k_s) exp(sum_{s<r<=t} g_r), 0)`` for a scalar gate per token."""
     decay = xp.exp(_segment_sums(xp, G[..., 0], axis=-1))  # (..., n, C, C), in (0, 1]
-    return xp.where(causal, xp.matmul(Q, xp.matrix_transpose(K)) * decay, 0.0)
+    return xp.where(causal, matmul(xp, Q, xp.matrix_transpose(K)) * decay, 0.0)
 
 
 def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
@@ -250,7 +284,7 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     and a batched matmul; after the last one the factors span the chunk: ``exp(b)``,
     ``exp(B - b)`` and ``exp(B)``.
     """
-    *lead, n, chunk, _ = Q.shape
+    n, chunk = Q.shape[-3:-1]
     scores = xp.sum(Q * K, axis=-1)[..., None, None]  # (..., n, C, 1, 1): s = t, undecayed
     whole = xp.exp(G)  # (..., n, C / h, w): the decay over each stretch of h tokens
     queries = Q * whole  # q_t decayed from the start of its stretch to t (inclusive)
@@ -258,25 +292,26 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     h = 1
     while h < chunk:
         pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
+        lead = scores.shape[:-4]
         upper, lower = unstack(xp, xp.reshape(scores, (*lead, n, pairs, 2, h, h)), axis=-3)
         upper_q, lower_q = unstack(xp, _halves(xp, queries, pairs), axis=-3)
         upper_k, lower_k = unstack(xp, _halves(xp, keys, pairs), axis=-3)
         if h == 1:  # 1 x 1 corners: a tiny batched matmul's backward costs 6x this
             corner = xp.sum(lower_q * upper_k, axis=-1)[..., None]
         else:
-            corner = xp.matmul(lower_q, xp.matrix_transpose(upper_k))  # t lower, s upper
+            corner = matmul(xp, lower_q, xp.matrix_transpose(upper_k))  # t lower, s upper
         top = xp.concat([upper, xp.zeros_like(upper)], axis=-1)
-        scores = xp.concat([top, xp.concat([corner, lower], axis=-1)], axis=-2)
+        scores = concat_leading(xp, [top, concat_leading(xp, [corner, lower], axis=-1)], axis=-2)
         # Stretches of 2h: a query in the second half also crosses the whole first half, a key
         # in the first half the whole second half; the other halves are unchanged (not
         # multiplied by ones: autograd keeps only the halves it multiplies).
         *g_lead, _, width = whole.shape
         first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
-        queries = _join(xp, xp.stack([upper_q, lower_q * first], axis=-3))
-        keys = _join(xp, xp.stack([upper_k * second, lower_k], axis=-3))
+        queries = _join(xp, stack_leading(xp, [upper_q, lower_q * first], axis=-3))
+        keys = _join(xp, stack_leading(xp, [upper_k * second, lower_k], axis=-3))
         whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
-    return xp.reshape(scores, (*lead, n, chunk, chunk)), queries, keys, whole
+    return xp.reshape(scores, (*scores.shape[:-4], n, chunk, chunk)), queries, keys, whole
 
 
 def _halves(xp: Any, x: Any, pairs: int) -> Any:

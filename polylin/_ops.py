@@ -2,11 +2,109 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ._policy import device, unstack
 
-__all__ = ["causal_mask", "pad_rows", "split_rows"]
+__all__ = [
+    "broadcast_shape",
+    "causal_mask",
+    "concat_leading",
+    "matmul",
+    "pad_rows",
+    "split_rows",
+    "stack_leading",
+    "widens",
+]
+
+
+def broadcast_shape(*shapes: tuple) -> tuple:
+    """The broadcast shape of ``shapes`` (aligned from the right, a size of 1 stretches).
+
+    A ``ValueError`` saying which axis does not broadcast otherwise. Only shapes are combined:
+    grouped heads (``q, k`` of ``(B, H, 1, T, d)`` against ``v`` of ``(B, H, G, T, d)``) are
+    never copied per group.
+    """
+    rank = max((len(s) for s in shapes), default=0)
+    result: list[int] = []
+    for axis in range(-rank, 0):
+        sizes = {s[axis] for s in shapes if len(s) >= -axis} - {1}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"axis {axis} has sizes {sorted(sizes)}; each must equal the others or be 1"
+            )
+        result.append(sizes.pop() if sizes else 1)
+    return tuple(result)
+
+
+def matmul(xp: Any, a: Any, b: Any) -> Any:
+    """``xp.matmul(a, b)`` for leading dimensions that broadcast, without expanding either.
+
+    PyTorch's ``matmul`` expands both operands to the broadcast batch and copies the one with
+    size-1 axes (and keeps that copy for the backward): for a query shared by ``G`` grouped
+    heads, a copy of the query per group. Here an axis along which only ``b`` varies becomes
+    more columns of ``b`` and an axis along which only ``a`` varies more rows of ``a``, so one
+    matmul over the shared axes computes every group from the one shared operand (its gradient
+    sums over the groups inside the matrix product); the permutes copy at most the operand
+    that already has those axes. Equal leading dimensions go straight to ``xp.matmul``.
+    """
+    lead_a, lead_b = tuple(a.shape[:-2]), tuple(b.shape[:-2])
+    if lead_a == lead_b:
+        return xp.matmul(a, b)
+    rank = max(len(lead_a), len(lead_b))
+    lead_a, lead_b = (1,) * (rank - len(lead_a)) + lead_a, (1,) * (rank - len(lead_b)) + lead_b
+    a_only = [i for i in range(rank) if lead_a[i] != 1 and lead_b[i] == 1]
+    b_only = [i for i in range(rank) if lead_b[i] != 1 and lead_a[i] == 1]
+    if not a_only and not b_only:  # only missing leading axes: nothing is expanded
+        return xp.matmul(a, b)
+    shared = [i for i in range(rank) if i not in a_only and i not in b_only]
+    rows, inner, cols = a.shape[-2], a.shape[-1], b.shape[-1]
+    sizes = [max(x, y) for x, y in zip(lead_a, lead_b)]
+    common = [sizes[i] for i in shared]
+    a_sizes, b_sizes = [sizes[i] for i in a_only], [sizes[i] for i in b_only]
+    a = xp.reshape(a, (*lead_a, rows, inner))
+    a = xp.permute_dims(a, (*shared, *b_only, *a_only, rank, rank + 1))
+    a = xp.reshape(a, (*common, math.prod(a_sizes) * rows, inner))
+    b = xp.reshape(b, (*lead_b, inner, cols))
+    b = xp.permute_dims(b, (*shared, *a_only, rank, *b_only, rank + 1))
+    b = xp.reshape(b, (*common, inner, math.prod(b_sizes) * cols))
+    out = xp.reshape(xp.matmul(a, b), (*common, *a_sizes, rows, *b_sizes, cols))
+    order: list[Any] = [*shared, *a_only, "rows", *b_only, "cols"]
+    return xp.permute_dims(out, tuple(order.index(i) for i in (*range(rank), "rows", "cols")))
+
+
+def widens(x: Any, y: Any) -> bool:
+    """Whether ``x * y`` would be larger than ``x`` (``y`` broadcasts ``x``'s leading axes):
+    a gate of grouped heads times a query shared by the group would copy it per group."""
+    return broadcast_shape(tuple(x.shape), tuple(y.shape)) != tuple(x.shape)
+
+
+def concat_leading(xp: Any, arrays: list[Any], axis: int) -> Any:
+    """``concat`` along ``axis`` (negative) of arrays whose other axes broadcast.
+
+    The sum of the keys of a grouped call has the keys' leading dimensions while the state
+    increments have the broadcast ones; the smaller operand is broadcast (a view) into the
+    result, which ``concat`` writes anyway. Arrays of one shape but on ``axis`` go straight in.
+    """
+    others = [x.shape[:axis] + x.shape[axis % x.ndim + 1 :] for x in arrays]
+    if all(o == others[0] for o in others):
+        return xp.concat(arrays, axis=axis)
+    shape = broadcast_shape(*others)
+    cut = len(shape) + axis + 1  # where the concatenated axis goes back in
+    return xp.concat(
+        [xp.broadcast_to(x, (*shape[:cut], x.shape[axis], *shape[cut:])) for x in arrays],
+        axis=axis,
+    )
+
+
+def stack_leading(xp: Any, arrays: list[Any], axis: int) -> Any:
+    """``stack`` of arrays whose shapes broadcast (to the broadcast shape)."""
+    shapes = [tuple(x.shape) for x in arrays]
+    if any(s != shapes[0] for s in shapes):
+        shape = broadcast_shape(*shapes)
+        arrays = [xp.broadcast_to(x, shape) for x in arrays]
+    return xp.stack(arrays, axis=axis)
 
 
 def causal_mask(xp: Any, rows: int, cols: int, dev: Any, *, strict: bool = False) -> Any:

@@ -40,7 +40,10 @@ def recurrent_step(
         z = factor * z
     S = S + fk[..., :, None] * v[..., None, :]
     z = z + fk
-    numerator = xp.matmul(fq[..., None, :], S)[..., 0, :]
+    if fq.shape[:-1] == S.shape[:-2]:
+        numerator = xp.matmul(fq[..., None, :], S)[..., 0, :]
+    else:  # grouped heads: a broadcast matmul would copy fq per group (_ops.matmul)
+        numerator = xp.sum(fq[..., :, None] * S, axis=-2)
     if not normalize:
         return numerator, S, z
     normalizer = xp.sum(fq * z, axis=-1, keepdims=True)
@@ -62,11 +65,12 @@ def causal_recurrent(
     """Causal linear attention by T sequential state updates, from the state ``(S, z)``.
 
     The tokens are taken apart by one ``unstack`` per input (not a slice per token, whose
-    backward would be quadratic in T) and the outputs joined by one ``stack``.
+    backward would be quadratic in T) and the outputs joined by one ``stack``. The leading
+    dimensions of the inputs broadcast (grouped heads); the state has the broadcast ones.
     """
     T = fq.shape[-2]
-    if T == 0:
-        return v[..., :0, :], S, z
+    if T == 0:  # the broadcast leading dimensions (grouped heads) are the state's
+        return xp.broadcast_to(v, (*S.shape[:-2], *v.shape[-2:])), S, z
     tokens = [unstack(xp, x, axis=-2) for x in (fq, fk, v)]
     decays: Sequence[Any | None]
     if log_decay is None:

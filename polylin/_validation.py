@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ._ops import broadcast_shape
 from ._policy import array_namespace, is_array, is_tracer, unsupported_array
 from ._policy import device as device_of
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttentionInputs",
     "Options",
+    "broadcast_shapes",
     "check_coefficient",
     "check_cu_seqlens",
     "check_mask",
@@ -43,7 +45,7 @@ class AttentionInputs(NamedTuple):
     device: Any
     dtype: Any  # the inputs' dtype, which the output gets back
     work_dtype: Any  # the dtype the algorithms accumulate in (float32 for half inputs)
-    batch_shape: tuple  # the leading dimensions shared by q, k and v
+    batch_shape: tuple  # the broadcast shape of the leading dimensions of q, k and v
 
     def to_work_dtype(self, x: Any) -> Any:
         """Cast ``x`` to the accumulation dtype (a no-op for float32 and float64)."""
@@ -125,14 +127,28 @@ def _check_known_shape(name: str, x: Any) -> None:
         )
 
 
+def broadcast_shapes(shapes: dict[str, tuple]) -> tuple:
+    """The broadcast shape of the named shapes (the usual rules: aligned from the right, a size
+    of 1 stretches); a ``ValueError`` naming the arguments and their shapes if they do not
+    broadcast. Only shapes are combined: nothing is copied.
+    """
+    try:
+        return broadcast_shape(*shapes.values())
+    except ValueError as exc:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"the leading dimensions of {listed} do not broadcast ({exc})") from None
+
+
 def check_qkv(
     q: Any, k: Any, v: Any, *, causal: bool, single_token: bool = False
 ) -> AttentionInputs:
     """Validate ``q``, ``k``, ``v`` and resolve namespace, device and dtypes.
 
-    ``q`` and ``k`` are ``(..., T, d_k)``, ``v`` is ``(..., T, d_v)``, with identical leading
-    dimensions. When ``causal`` the query length must equal the key length. With
-    ``single_token`` there is no T axis (one decoding step): ``(..., d_k)`` and ``(..., d_v)``.
+    ``q`` and ``k`` are ``(..., T, d_k)``, ``v`` is ``(..., T, d_v)``; their leading dimensions
+    broadcast against each other (grouped heads: ``q, k`` of ``(B, H, 1, T, d_k)`` against ``v``
+    of ``(B, H, G, T, d_v)``) and ``batch_shape`` is the broadcast shape. When ``causal`` the
+    query length must equal the key length. With ``single_token`` there is no T axis (one
+    decoding step): ``(..., d_k)`` and ``(..., d_v)``.
     """
     qn, kn, vn = names = ("q_t", "k_t", "v_t") if single_token else ("q", "k", "v")
     xp = namespace_of(**{qn: q, kn: k, vn: v})
@@ -164,13 +180,8 @@ def check_qkv(
                 f"q has sequence length {q.shape[-2]} but k has {k.shape[-2]}; causal attention "
                 "needs equal lengths (use linear_attention for cross-attention)"
             )
-    batch_shape = tuple(q.shape[:-core])
-    for name, x in ((kn, k), (vn, v)):
-        if tuple(x.shape[:-core]) != batch_shape:
-            raise ValueError(
-                f"{name} has leading dimensions {tuple(x.shape[:-core])} but {qn} has "
-                f"{batch_shape}; they must be identical"
-            )
+    leading = {name: tuple(x.shape[:-core]) for name, x in zip(names, (q, k, v))}
+    batch_shape = broadcast_shapes(leading)
     return AttentionInputs(xp, device, q.dtype, work_dtype_for(xp, q.dtype), batch_shape)
 
 
@@ -338,7 +349,9 @@ def check_state(
 
     A given state must be in the work dtype already (float32 for 16-bit inputs, else the
     inputs' dtype): a silent cast would lose precision one way, or change the results of a
-    higher-precision computation the other. Shape errors say what most likely went wrong: a
+    higher-precision computation the other. Its leading dimensions broadcast to
+    ``batch_shape`` (a state shared by a batch, or by grouped heads): it is returned broadcast,
+    a view. Shape errors say what most likely went wrong: a
     decoding token that still has its length-1 T axis (``token_shape``: the shape of ``q_t`` in a
     decoding step), or a state built with another feature map.
     """
@@ -367,7 +380,16 @@ def check_state(
             )
     S_shape, z_shape = tuple(S.shape), tuple(z.shape)
     want = (*batch_shape, d_phi, d_v)
-    if S_shape != want or z_shape != (*batch_shape, d_phi):
+
+    def fits(got: tuple, expected: tuple, core: int) -> bool:  # the leading axes broadcast
+        lead, full = got[: len(got) - core], expected[: len(expected) - core]
+        return (
+            got[len(got) - core :] == expected[len(expected) - core :]
+            and len(lead) <= len(full)
+            and all(g in (1, f) for g, f in zip(reversed(lead), reversed(full)))
+        )
+
+    if not (fits(S_shape, want, 2) and fits(z_shape, (*batch_shape, d_phi), 1)):
         if (
             token_shape is not None
             and token_shape[-2:-1] == (1,)
@@ -385,9 +407,17 @@ def check_state(
                     f"feature_map gives {d_phi} for these inputs; pass the same feature_map "
                     "that built the state"
                 )
-        for part, got, expected in (("S", S_shape, want), ("z", z_shape, (*batch_shape, d_phi))):
-            if got != expected:
-                raise ValueError(f"{name}.{part} must have shape {expected}, got {got}")
+        parts = (("S", S_shape, want, 2), ("z", z_shape, (*batch_shape, d_phi), 1))
+        for part, got, expected, core in parts:
+            if not fits(got, expected, core):
+                raise ValueError(
+                    f"{name}.{part} must have shape {expected} (leading axes of size 1 "
+                    f"broadcast), got {got}"
+                )
+    if S_shape != want:
+        S = xp.broadcast_to(S, want)
+    if z_shape != want[:-1]:
+        z = xp.broadcast_to(z, want[:-1])
     return S, z
 
 

@@ -8,6 +8,7 @@ from itertools import pairwise
 from ._chunked import causal_chunked
 from ._decay import check_log_decay, check_normalize, pack_log_decay, standard_log_decay
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
+from ._ops import matmul
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import apply_feature_map, finish, select
 from ._quadratic import quadratic
@@ -309,11 +310,11 @@ def linear_attention(
     fq, fk = apply_feature_map(inputs, feature_map, select(xp, query_mask, q), k)
     fk = select(xp, mask, fk)
     v = inputs.to_work_dtype(v)
-    S = xp.matmul(xp.matrix_transpose(fk), v)
-    out = xp.matmul(fq, S)
+    S = matmul(xp, xp.matrix_transpose(fk), v)
+    out = matmul(xp, fq, S)
     if normalize:
         z = xp.sum(fk, axis=-2)
-        out = out / (xp.matmul(fq, z[..., None]) + eps)
+        out = out / (matmul(xp, fq, z[..., None]) + eps)
     return layout.restore(finish(inputs, out, query_mask))
 
 

@@ -270,11 +270,11 @@ def test_state_errors(rng):
     with pytest.raises(ValueError, match=r"initial_state.S must have shape \(2, 5, 3\)"):
         causal_linear_attention(q, k, v, initial_state=(S[..., :2], z))
     with pytest.raises(ValueError, match=r"initial_state.z must have shape \(2, 5\)"):
-        causal_linear_attention(q, k, v, initial_state=(S, z[:1]))
+        causal_linear_attention(q, k, v, initial_state=(S, np.zeros((3, 5))))
     with pytest.raises(TypeError, match=r"initial_state\.S must have a real floating dtype"):
         causal_linear_attention(q, k, v, initial_state=(S.astype(int), z))
     with pytest.raises(ValueError, match=r"state.S must have shape \(2, 5, 3\)"):
-        step(q[:, 0], k[:, 0], v[:, 0], (S[:1], z))
+        step(q[:, 0], k[:, 0], v[:, 0], (np.zeros((3, 5, 3)), z))
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="same library as q"):
         causal_linear_attention(q, k, v, initial_state=(torch.zeros(2, 5, 3), torch.zeros(2, 5)))
