@@ -6,7 +6,8 @@
 - No page has an empty navigation sidebar: every page lists the site's pages.
 - In headless Chromium (Debian's ``chromium``; skipped with the reason where it is absent, and
   installed by ``make browser``, a step of ``make test``), a page with math renders it: the text
-  the reader sees holds no TeX delimiter, and a screenshot is taken.
+  the reader sees holds no TeX delimiter, and a screenshot is taken; the longest API title
+  wraps in a 700-pixel window, and code of at most 100 columns fits the article at 1280.
 
 The site is the one ``make test`` builds just before pytest (``POLYLIN_DOCS_HTML`` names it);
 without that variable the tests build the docs themselves into a temporary folder, offline, with
@@ -15,7 +16,6 @@ warnings as errors, as ``make docs`` does.
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import shutil
@@ -27,6 +27,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+
+from .test_docs import _conf_literal  # the settings of docs/conf.py, read without running it
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -158,16 +160,6 @@ def _local(page: Path, url: str) -> Path:
     return (page.parent / url.split("?")[0].split("#")[0]).resolve()
 
 
-def _conf_literal(name: str) -> object:
-    tree = ast.parse((DOCS / "conf.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == name for t in node.targets
-        ):
-            return ast.literal_eval(node.value)
-    raise LookupError(f"docs/conf.py does not set {name}")
-
-
 def test_no_page_loads_a_remote_script_or_stylesheet(site: Path) -> None:
     pages = _pages(site)
     assert len(pages) > 20, f"only {len(pages)} pages under {site}"
@@ -256,7 +248,9 @@ def _browser() -> str:
     pytest.skip(NO_BROWSER)
 
 
-def _chromium(browser: str, url: str, *args: str, profile: Path) -> subprocess.CompletedProcess:
+def _chromium(
+    browser: str, url: str, *args: str, profile: Path, width: int = 1280
+) -> subprocess.CompletedProcess:
     """Run headless Chromium on ``url`` with no network access beyond the page's own files."""
     flags = [
         "--headless",
@@ -268,12 +262,59 @@ def _chromium(browser: str, url: str, *args: str, profile: Path) -> subprocess.C
         "--disable-component-update",
         "--disable-sync",
         f"--user-data-dir={profile}",
-        "--window-size=1280,1000",
+        f"--window-size={width},1000",
         "--virtual-time-budget=20000",  # let MathJax load, typeset and fetch its fonts
     ]
     return subprocess.run(
         [browser, *flags, *args, url], capture_output=True, text=True, timeout=180
     )
+
+
+# Appended to a copy of a page: after load, one line per title and code block of the article,
+# "TAG scrollWidth clientWidth longest-line-in-characters", in an element the test reads back.
+MEASURE = """<script>window.addEventListener("load", () => {
+  const rows = [];
+  document.querySelectorAll(".bd-article h1, .bd-article pre").forEach((e) => {
+    const longest = Math.max(...e.textContent.split("\\n").map((line) => line.length));
+    rows.push([e.tagName, e.scrollWidth, e.clientWidth, longest].join(" "));
+  });
+  const out = document.createElement("pre");
+  out.id = "polylin-measure";
+  out.textContent = rows.join("\\n");
+  document.body.appendChild(out);
+});</script>"""
+
+
+def _measure(
+    browser: str, page: Path, width: int, profile: Path
+) -> list[tuple[str, int, int, int]]:
+    """The widths of ``page``'s titles and code blocks in a window ``width`` pixels wide."""
+    probe = page.with_name(f"_probe_{page.name}")  # beside the page: its relative links work
+    probe.write_text(page.read_text().replace("</body>", MEASURE + "</body>"))
+    try:
+        dom = _chromium(browser, probe.as_uri(), "--dump-dom", profile=profile, width=width)
+    finally:
+        probe.unlink()
+    (out,) = parse_html(dom.stdout).find_all(id="polylin-measure")
+    rows = [line.split() for line in out.visible_text().splitlines() if line.strip()]
+    return [(tag, int(scroll), int(client), int(longest)) for tag, scroll, client, longest in rows]
+
+
+def test_long_titles_wrap_and_code_fits(site: Path, tmp_path: Path) -> None:
+    """API titles wrap in a narrow window; 100-column code fits the article at 1280 pixels."""
+    browser = _browser()
+    api = sorted((site / "api" / "generated").glob("*.html"), key=lambda p: len(p.stem))
+    longest_title = api[-1]
+    titles = _measure(browser, longest_title, 700, tmp_path / "profile")
+    assert [r for r in titles if r[0] == "H1"], f"no title measured on {longest_title.name}"
+    cut = [r for r in titles if r[0] == "H1" and r[1] > r[2] + 1]
+    assert not cut, f"{longest_title.name}: the title does not wrap at 700 px: {cut}"
+    for name in ("performance.html", "delta_rule.html", "from_softmax.html"):
+        blocks = _measure(browser, site / name, 1280, tmp_path / "profile")
+        code = [r for r in blocks if r[0] == "PRE" and r[3] <= 100]
+        assert code, f"no code block measured on {name}"
+        clipped = [r for r in code if r[1] > r[2] + 1]
+        assert not clipped, f"{name}: code of at most 100 columns scrolls at 1280 px: {clipped}"
 
 
 def _png_size(path: Path) -> tuple[int, int]:
