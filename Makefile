@@ -34,14 +34,15 @@ $(VENV)/.test-stamp: pyproject.toml backends/torch-cpu-constraints.txt | $(VENV)
 venv: $(VENV)/.test-stamp
 
 # Headless Chromium for the docs' browser check (tests/test_docs_site.py skips it without one).
-# Debian's package, about 25 s with apt-get update; best effort: where the browser is absent and
-# apt-get cannot install it (not root, not Debian, no mirror), a note, never a failure.
+# Debian's package, about 25 s with apt-get update; best effort, bounded in time: where the
+# browser is absent and apt-get cannot install it (not root, not Debian, no mirror), a note,
+# never a failure.
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	  echo "installing Debian's chromium for the docs' browser check" && \
-	  apt-get update -qq >/dev/null 2>&1 && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; } || \
+	  timeout 300 apt-get update -qq >/dev/null 2>&1 && \
+	  DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium >/dev/null 2>&1; } || \
 	echo "chromium is not installed: tests/test_docs_site.py skips its browser check"
 
 demo: $(VENV)/.demo-stamp
