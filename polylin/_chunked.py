@@ -348,11 +348,10 @@ def _prefix(
     if decay is None:
         prefix = cumulative_sum(xp, increments, axis=-3, include_initial=True)
         return prefix[..., :-1, :, :] + state[..., None, :, :], state + prefix[..., -1, :, :]
-    # Prepend (1, S_0): the inclusive scan then yields every state, the final one last.
-    values = xp.concat(
-        [xp.broadcast_to(state[..., None, :, :], (*increments.shape[:-3], 1, *state.shape[-2:])),
-         increments], axis=-3,
-    )  # fmt: skip
+    # Prepend (1, S_0): the inclusive scan then yields every state, the final one last. The
+    # increments may have fewer leading dimensions than the state (values shared by a group of
+    # query heads): the state's are the broadcast ones.
+    values = concat_leading(xp, [state[..., None, :, :], increments], axis=-3)
     factors = xp.concat([xp.ones_like(decay[..., :1, :, :]), decay], axis=-3)
     count = values.shape[-3]
     shift = 1

@@ -69,7 +69,10 @@ def causal_linear_attention(
         Queries and keys, shape ``(..., T, d_k)``, any number of leading batch/head dimensions
         (with ``seq_axis``, T may sit on another axis: ``(B, T, H, d_k)`` with ``seq_axis=1``).
     v : array
-        Values, shape ``(..., T, d_v)``, the same leading dimensions and dtype.
+        Values, shape ``(..., T, d_v)``, the same dtype. The leading dimensions of ``q``, ``k``
+        and ``v`` broadcast against each other (grouped heads: ``q, k`` of ``(B, H, 1, T, d_k)``
+        against ``v`` of ``(B, H, G, T, d_v)``, never copied per group); the output and the
+        state have the broadcast ones.
     feature_map : callable, optional
         Positive feature map applied to ``q`` and ``k``; default
         :func:`polylin.feature_maps.elu_plus_one`. If it has a ``map_query`` method, that maps the
@@ -88,7 +91,8 @@ def causal_linear_attention(
         in the work dtype (at least its smallest normal number: ``1.2e-38`` for float32).
     initial_state : LinearAttentionState, optional
         State ``(S, z)`` to continue from, shapes ``(..., d_phi, d_v)`` and ``(..., d_phi)``
-        (``...``: the inputs' leading dimensions without T), in the work dtype. With
+        (``...``: the inputs' broadcast leading dimensions without T; size-1 axes broadcast),
+        in the work dtype. With
         ``cu_seqlens`` there is one per sequence: ``(..., N, d_phi, d_v)``.
     return_state : bool
         Also return the state after the last token.

@@ -39,7 +39,8 @@ def step(
     q_t, k_t : array
         Query and key of the new token, shape ``(..., d_k)``.
     v_t : array
-        Value of the new token, shape ``(..., d_v)``.
+        Value of the new token, shape ``(..., d_v)``. The leading dimensions of ``q_t``,
+        ``k_t`` and ``v_t`` broadcast (grouped heads), and the state's broadcast to them.
     state : LinearAttentionState, optional
         The state before this token; ``None`` starts from zeros.
     feature_map : callable, optional
