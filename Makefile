@@ -5,11 +5,11 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 CONSTRAINTS = -c backends/torch-cpu-constraints.txt
 
-.PHONY: help venv demo test test-slow test-fast lint docs bench gpu-wheels clean
+.PHONY: help venv browser demo test test-slow test-fast lint docs bench gpu-wheels clean
 
 help:
 	@echo "make demo   set up .venv (NumPy + CPU PyTorch) and run the demo table"
-	@echo "make test   set up .venv with every CPU backend and run lint, types, tests and the docs build"
+	@echo "make test   set up .venv with every CPU backend and run lint, types, the docs build and tests"
 	@echo "make docs   build the Sphinx site into docs/_build/html (warnings are errors)"
 	@echo "make bench  run the CPU benchmark (benchmarks/run.py cpu); writes bench-results/ (JSON + PNG)"
 	@echo "make gpu-wheels  fetch the wheels the GPU machine lacks into .whl/ (docs/gpu.md)"
@@ -33,14 +33,27 @@ $(VENV)/.test-stamp: pyproject.toml backends/torch-cpu-constraints.txt | $(VENV)
 
 venv: $(VENV)/.test-stamp
 
+# Headless Chromium for the docs' browser check (tests/test_docs_site.py skips it without one).
+# Debian's package, about 25 s with apt-get update; best effort, bounded in time: where the
+# browser is absent and apt-get cannot install it (not root, not Debian, no mirror), a note,
+# never a failure.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  echo "installing Debian's chromium for the docs' browser check" && \
+	  timeout 300 apt-get update -qq >/dev/null 2>&1 && \
+	  DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium >/dev/null 2>&1; } || \
+	echo "chromium is not installed: tests/test_docs_site.py skips its browser check"
+
 demo: $(VENV)/.demo-stamp
 	$(PY) -m polylin demo
 
-test: $(VENV)/.test-stamp
+# The docs are built before pytest: tests/test_docs_site.py reads that site (POLYLIN_DOCS_HTML).
+test: $(VENV)/.test-stamp browser
 	$(PY) -m ruff check polylin tests benchmarks examples
 	$(PY) -m mypy
-	$(PY) -m pytest -n auto -m "not slow"
 	POLYLIN_DOCS_OFFLINE=1 $(MAKE) docs
+	POLYLIN_DOCS_HTML=$(CURDIR)/docs/_build/html $(PY) -m pytest -n auto -m "not slow"
 
 # The tests marked slow (starting local Dask clusters): a separate CI step (.ci/run).
 test-slow: $(VENV)/.test-stamp

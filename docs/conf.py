@@ -32,6 +32,24 @@ extensions = [
     "sphinx.ext.mathjax",
 ]
 
+# -- math: MathJax bundled with the site --------------------------------------------------------
+# The pages render their math with MathJax 3 served from the site itself, never from a CDN: a
+# reader with no network sees formulas, not TeX. sphinx-mathjax-offline (the `docs` extra) ships
+# MathJax 3.2.2 whole (24 MB: every component, SVG output, Node.js entry points). The site loads
+# one component, tex-chtml.js (TeX in, HTML + CSS out, AMS macros included), and at read time
+# that component fetches only its web fonts, the TeX extensions it autoloads (\boldsymbol, ...)
+# and the modules its context menu offers (accessibility, speech): those are copied to
+# _static/mathjax and nothing else (about 7 MB; `_copy_mathjax` below).
+mathjax_path = "mathjax/tex-chtml.js"
+MATHJAX_FILES = (
+    "tex-chtml.js",
+    "input/tex/extensions",
+    "output/chtml/fonts/woff-v2",
+    "ui",
+    "a11y",
+    "sre",
+)
+
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
 templates_path = ["_templates"]
@@ -172,11 +190,17 @@ html_title = f"polylin {release}"
 html_static_path = ["_static"]
 html_theme_options = {
     "navigation_with_keys": False,
-    "header_links_before_dropdown": 6,
-    "show_toc_level": 2,
-    "secondary_sidebar_items": ["page-toc"],
+    "header_links_before_dropdown": 3,
+    # The page's own sections ("On this page") are listed in the primary sidebar, below the
+    # site's pages (html_sidebars): without a secondary sidebar the content gets the width that
+    # wide tables and 100-column code need (docs/_static/css/polylin.css).
+    "secondary_sidebar_items": [],
 }
-html_sidebars = {"**": ["sidebar-nav-bs"]}
+html_css_files = ["css/polylin.css"]  # wider content, wrapping titles (docs/_static/css)
+# Every page lists the site's pages (docs/_templates/sidebar-site-nav.html), then its own
+# sections (the theme's page-toc). The theme's default sidebar-nav-bs lists only the subpages of
+# the current top-level page; the guide's pages are all top-level pages, so it was empty there.
+html_sidebars = {"**": ["sidebar-site-nav", "page-toc"]}
 html_show_sourcelink = False
 
 
@@ -222,7 +246,41 @@ def _polylin_modules() -> list[str]:
     return names
 
 
+def _mathjax_source() -> Path:
+    """The MathJax tree that sphinx-mathjax-offline installs (its module name has dashes)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sphinx-mathjax-offline")
+    if spec is None or spec.origin is None:
+        from sphinx.errors import ConfigError
+
+        raise ConfigError(
+            "the docs bundle MathJax from the sphinx-mathjax-offline package, which is not "
+            'installed: pip install -e ".[docs]" (or make venv)'
+        )
+    return Path(spec.origin).parent / "static" / "mathjax"
+
+
+def _copy_mathjax(app, exception) -> None:
+    """Copy the MathJax files the pages can load into the site's ``_static/mathjax``."""
+    if exception is not None or app.builder.format != "html":
+        return
+    from sphinx.util.fileutil import copy_asset
+
+    source = _mathjax_source()
+    target = Path(app.outdir) / "_static" / "mathjax"
+    for relative in MATHJAX_FILES:
+        destination = target / relative
+        if (source / relative).is_dir():
+            copy_asset(source / relative, destination)
+        else:
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            copy_asset(source / relative, destination.parent)
+
+
 def setup(app):
+    _mathjax_source()  # fail at the start of the build, not after it, when MathJax is missing
+    app.connect("build-finished", _copy_mathjax)
     app.connect("source-read", _expand_placeholders)
     # before numpydoc (priority 500) so that numpydoc sees the real docstring
     app.connect("autodoc-process-docstring", _data_docstring, priority=400)

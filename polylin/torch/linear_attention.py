@@ -169,7 +169,7 @@ class LinearAttention(nn.Module):
         A subclass overrides it to decay the state before each token is added,
         ``S_t = exp(g_t) S_{t-1} + phi(k_t) v_t^T`` (RetNet, gated linear attention): one gate
         ``g_t <= 0`` per token and head. The layer passes it to the attention functions as
-        ``log_decay`` (which needs a version of polylin whose functions accept it).
+        ``log_decay`` (see the docs page "Decay and gating").
 
         Parameters
         ----------
