@@ -7,27 +7,22 @@ old value instead of piling up. See ``docs/delta_rule.md`` for the math and the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from itertools import pairwise
 from typing import Any
 
 from ._delta import delta_chunked, delta_recurrent, delta_step
-from ._layout import DEFAULT_SEQ_AXIS, SequenceLayout, standard_layout
+from ._entry import check_log_decay, in_standard_layout, run_sequences
+from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import finish
 from ._typing import Array
 from ._validation import (
-    AttentionInputs,
     check_coefficient,
-    check_cu_seqlens,
-    check_mask,
     check_matrix_state,
     check_method,
     check_options,
     check_qkv,
 )
-from ._varlen import length_mask, pack, unpack
 
 __all__ = ["DELTA_METHODS", "delta_rule_attention", "delta_rule_step"]
 
@@ -37,27 +32,6 @@ DELTA_METHODS = ("chunked", "recurrent")
 #: Python-float ``beta`` must lie here: for a unit key each step then shrinks the state
 #: (eigenvalue ``1 - beta`` along the key), the condition for a stable recurrence.
 _BETA_BOUNDS = (0.0, 2.0)
-_LOG_DECAY_BOUNDS = (-math.inf, 0.0)
-
-
-def _in_standard_layout(layout: SequenceLayout, name: str, x: Any) -> Any:
-    """A per-token array given in the inputs' layout, with its time axis moved to -2.
-
-    With a non-default ``seq_axis`` the array must have the rank of ``q`` (size-1 axes
-    broadcast): a lower rank would not say which axis is T.
-    """
-    if layout.is_standard or x is None or isinstance(x, (int, float)):
-        return x
-    return layout.to_standard(**{name: x})[0]
-
-
-def _log_decay(inputs: AttentionInputs, log_decay: Any, shape: tuple) -> Any | None:
-    if log_decay is None:
-        return None
-    g = check_coefficient(inputs, log_decay, shape, name="log_decay", bounds=_LOG_DECAY_BOUNDS)
-    # A decay never amplifies: this keeps every exponential the algorithms form <= 1. A
-    # selection rather than ``minimum``, whose gradient is halved where ``g == 0`` on PyTorch.
-    return inputs.xp.where(g > 0.0, 0.0, g)
 
 
 def _run(
@@ -193,38 +167,31 @@ def delta_rule_attention(
     check_options(eps=DEFAULT_EPS, chunk_size=chunk_size)  # an Integral >= 1, not a tracer
     chunk_size = int(chunk_size)
     check_method(method, DELTA_METHODS)
-    beta = _in_standard_layout(layout, "beta", beta)
-    log_decay = _in_standard_layout(layout, "log_decay", log_decay)
+    beta = in_standard_layout(layout, "beta", beta)
+    log_decay = in_standard_layout(layout, "log_decay", log_decay)
     xp = inputs.xp
     batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]
     per_token = (*batch, T, 1)
     arrays = [inputs.to_work_dtype(x) for x in (q, k, v)]
     arrays.append(check_coefficient(inputs, beta, per_token, name="beta", bounds=_BETA_BOUNDS))
-    g = _log_decay(inputs, log_decay, per_token)
+    g = check_log_decay(inputs, log_decay, per_token)
     if g is not None:
         arrays.append(g)
-    if cu_seqlens is not None:
-        if attention_mask is not None:
-            raise ValueError("pass attention_mask or cu_seqlens, not both")
-        offsets = check_cu_seqlens(cu_seqlens, T)
-        n_seqs = len(offsets) - 1
-        max_len = max(b - a for a, b in pairwise(offsets))
-        S = check_matrix_state(
-            inputs, initial_state, (*batch, n_seqs, d_k, d_v), name="initial_state"
-        )
-        keep = length_mask(xp, offsets, max_len, inputs.device)[..., None]
-        packed = [pack(xp, x, offsets, max_len) for x in arrays]
-        out, S = _run(xp, packed, S, keep, method=method, chunk_size=chunk_size)
-        out = unpack(xp, out, offsets)
-    else:
-        S = check_matrix_state(inputs, initial_state, (*batch, d_k, d_v), name="initial_state")
-        keep = None
-        if attention_mask is not None:
-            mask = check_mask(inputs, attention_mask, T, layout)
-            keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
-        out, S = _run(xp, arrays, S, keep, method=method, chunk_size=chunk_size)
-    if T == 0 and initial_state is not None:  # never hand back the caller's own array
-        S = xp.asarray(S, copy=True)
+
+    def run(arrays: list[Any], S: Any, keep: Any) -> tuple[Any, Any]:
+        return _run(xp, arrays, S, keep, method=method, chunk_size=chunk_size)
+
+    out, S = run_sequences(
+        inputs,
+        layout,
+        arrays,
+        run,
+        length=T,
+        state_shape=(d_k, d_v),
+        initial_state=initial_state,
+        attention_mask=attention_mask,
+        cu_seqlens=cu_seqlens,
+    )
     out = layout.restore(finish(inputs, out, None))
     return (out, S) if return_state else out
 
@@ -293,7 +260,7 @@ def delta_rule_step(
     xp = inputs.xp
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
     beta = check_coefficient(inputs, beta_t, (*batch, 1), name="beta_t", bounds=_BETA_BOUNDS)
-    g = _log_decay(inputs, log_decay, (*batch, 1))
+    g = check_log_decay(inputs, log_decay, (*batch, 1))
     S = check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
     q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
     o_t, S = delta_step(xp, q, k, v, beta, None if g is None else xp.exp(g), S)
