@@ -22,7 +22,8 @@ over blocks of 2, 4, ..., C tokens (C rounded up to a power of two): in every bl
 of the lower half meet the keys of the upper half through the block's middle, both factors
 <= 1, one batched matmul per level (:func:`_channel_gate`). Its factors are products of the
 per-token ``exp(g_t)``; after the last level they are the ``exp(b)``, ``exp(B - b)`` and
-``exp(B)`` of the formulas above.
+``exp(B)`` of the formulas above. Both constructions live in :mod:`polylin._intra_chunk`,
+shared with the delta rule's chunked form.
 
 The normalizer is not a separate computation: the state carries ``z`` as one more column of
 ``S`` (as if V had a column of ones: the increments get the column sums of K, the intra-chunk
@@ -51,6 +52,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from ._intra_chunk import SCORES, intra_chunk, scalar_gate_scores
 from ._ops import causal_mask, pad_rows, split_rows
 from ._policy import cumulative_sum, device, eager_cpu, unstack
 
@@ -171,7 +173,7 @@ def _block(
             before = cumulative_sum(xp, G, axis=-2)  # b_t: from the chunk start to t, inclusive
             after = _sum_after(xp, G)  # B - b_s: from s (exclusive) to the chunk end
             total = xp.sum(G, axis=-2, keepdims=True)  # B: the whole chunk
-            scores = _scalar_gate_scores(xp, Q, K, G, causal)
+            scores = scalar_gate_scores(xp, Q, K, G, causal)
             queries, keys, chunk_decay = Q * xp.exp(before), K * xp.exp(after), xp.exp(total)
         else:
             scores, queries, keys, chunk_decay = _channel_gate(xp, Q, K, G)
@@ -206,89 +208,16 @@ def _sum_after(xp: Any, G: Any) -> Any:
     return xp.flip(flipped[..., :-1, :], axis=-2)
 
 
-def _segment_sums(xp: Any, G: Any, axis: int) -> Any:
-    """``seg[t, s] = sum_{s < r <= t} g_r`` (0 where ``t <= s``), a new axis after ``axis``.
-
-    ``G`` has the token axis at ``axis`` (negative); the result has two token axes there, the
-    later one for s. Each entry is the sum of its own terms (Mamba-2's "segsum"), so it keeps
-    float32 precision where a difference of cumulative sums would not.
-    """
-    length = G.shape[axis]
-    later = causal_mask(xp, length, length, device(G), strict=True)  # r > s
-    if axis == -2:  # (..., C, w) -> (..., C(r), C(s), w)
-        repeated = G[..., :, None, :]
-        later = later[:, :, None]
-    else:  # axis == -1: (..., C) -> (..., C(r), C(s))
-        repeated = G[..., :, None]
-    terms = xp.where(later, repeated, 0.0)
-    return cumulative_sum(xp, terms, axis=axis - 1)
-
-
-def _scalar_gate_scores(xp: Any, Q: Any, K: Any, G: Any, causal: Any) -> Any:
-    """``where(s <= t, (q_t . k_s) exp(sum_{s<r<=t} g_r), 0)`` for a scalar gate per token."""
-    decay = xp.exp(_segment_sums(xp, G[..., 0], axis=-1))  # (..., n, C, C), in (0, 1]
-    return xp.where(causal, xp.matmul(Q, xp.matrix_transpose(K)) * decay, 0.0)
-
-
 def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     """Intra-chunk scores and decayed queries and keys for a gate per channel (``G``'s width).
 
     Returns ``(A, Q * exp(b), K * exp(B - b), exp(B))``: the scores
     ``A_ts = sum_c q_tc k_sc exp(sum_{s<r<=t} g_rc)`` for ``s <= t`` (0 above the diagonal),
-    ``(..., n, C, C)``, and the factors that carry the state across chunks (module docstring).
-    The chunk length C is a power of two.
-
-    The scores are built bottom-up over blocks of ``2h`` tokens, ``h = 1, 2, 4, ..., C/2``: in
-    each block the queries of its lower half (t) meet the keys of its upper half (s) through the
-    end of the upper half, ``exp(sum_{s<r<=t} g_r)`` being ``exp(sum from the start of t's half
-    to t)`` times ``exp(sum after s to the end of s's half)``, both <= 1. So the lower-left
-    ``h x h`` quadrant of every block is one batched matmul of decayed queries and keys, and the
-    two diagonal quadrants are the previous level's blocks. The factors of level 2h are those
-    of level h times one factor of a whole half: every factor is a product of per-token factors
-    ``exp(g_r)`` <= 1 (no overflow; one that underflows stands for a smaller true value), never
-    the exponential of a difference of long sums. Each level costs ``O(d)`` products per token
-    and a batched matmul; after the last one the factors span the chunk: ``exp(b)``,
-    ``exp(B - b)`` and ``exp(B)``.
+    ``(..., n, C, C)``, and the factors that carry the state across chunks (module docstring),
+    built level by level by :func:`polylin._intra_chunk.intra_chunk`. C is a power of two.
     """
-    *lead, n, chunk, _ = Q.shape
-    scores = xp.sum(Q * K, axis=-1)[..., None, None]  # (..., n, C, 1, 1): s = t, undecayed
-    whole = xp.exp(G)  # (..., n, C / h, w): the decay over each stretch of h tokens
-    queries = Q * whole  # q_t decayed from the start of its stretch to t (inclusive)
-    keys = K  # k_s decayed from s (exclusive) to the end of its stretch
-    h = 1
-    while h < chunk:
-        pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
-        upper, lower = unstack(xp, xp.reshape(scores, (*lead, n, pairs, 2, h, h)), axis=-3)
-        upper_q, lower_q = unstack(xp, _halves(xp, queries, pairs), axis=-3)
-        upper_k, lower_k = unstack(xp, _halves(xp, keys, pairs), axis=-3)
-        if h == 1:  # 1 x 1 corners: a tiny batched matmul's backward costs 6x this
-            corner = xp.sum(lower_q * upper_k, axis=-1)[..., None]
-        else:
-            corner = xp.matmul(lower_q, xp.matrix_transpose(upper_k))  # t lower, s upper
-        top = xp.concat([upper, xp.zeros_like(upper)], axis=-1)
-        scores = xp.concat([top, xp.concat([corner, lower], axis=-1)], axis=-2)
-        # Stretches of 2h: a query in the second half also crosses the whole first half, a key
-        # in the first half the whole second half; the other halves are unchanged (not
-        # multiplied by ones: autograd keeps only the halves it multiplies).
-        *g_lead, _, width = whole.shape
-        first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
-        queries = _join(xp, xp.stack([upper_q, lower_q * first], axis=-3))
-        keys = _join(xp, xp.stack([upper_k * second, lower_k], axis=-3))
-        whole = first[..., 0, :] * second[..., 0, :]
-        h *= 2
-    return xp.reshape(scores, (*lead, n, chunk, chunk)), queries, keys, whole
-
-
-def _halves(xp: Any, x: Any, pairs: int) -> Any:
-    """``(..., C, w)`` as ``(..., pairs, 2, C / (2 pairs), w)``: the two halves of each block."""
-    *lead, length, width = x.shape
-    return xp.reshape(x, (*lead, pairs, 2, length // (2 * pairs), width))
-
-
-def _join(xp: Any, x: Any) -> Any:
-    """The inverse of :func:`_halves`."""
-    *lead, pairs, _, half, width = x.shape
-    return xp.reshape(x, (*lead, 2 * pairs * half, width))
+    blocks = intra_chunk(xp, K, G, [(Q, SCORES)])
+    return blocks.matrices[0], blocks.rows[0], blocks.keys, blocks.whole
 
 
 def _prefix(

@@ -6,7 +6,7 @@ from typing import Any
 
 from ._policy import device, unstack
 
-__all__ = ["causal_mask", "pad_rows", "split_rows"]
+__all__ = ["causal_mask", "l2_normalize", "pad_rows", "split_rows"]
 
 
 def causal_mask(xp: Any, rows: int, cols: int, dev: Any, *, strict: bool = False) -> Any:
@@ -47,3 +47,12 @@ def split_rows(xp: Any, x: Any | None, size: int, length: int) -> list[Any]:
     if whole * size != length:
         pieces.append(x[..., whole * size :, :])
     return pieces
+
+
+def l2_normalize(xp: Any, x: Any, /, *, eps: float = 1e-6) -> Any:
+    """``x / sqrt(sum(x^2) + eps)`` over the last axis (flash-linear-attention's ``l2norm``).
+
+    Differentiable everywhere (``eps`` keeps a zero vector's gradient finite); a zero vector
+    stays zero.
+    """
+    return x / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + eps)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttentionInputs",
     "Options",
+    "broadcast_shapes",
     "check_coefficient",
     "check_cu_seqlens",
     "check_mask",
@@ -43,7 +44,7 @@ class AttentionInputs(NamedTuple):
     device: Any
     dtype: Any  # the inputs' dtype, which the output gets back
     work_dtype: Any  # the dtype the algorithms accumulate in (float32 for half inputs)
-    batch_shape: tuple  # the leading dimensions shared by q, k and v
+    batch_shape: tuple  # the broadcast shape of the leading dimensions of q, k and v
 
     def to_work_dtype(self, x: Any) -> Any:
         """Cast ``x`` to the accumulation dtype (a no-op for float32 and float64)."""
@@ -125,14 +126,35 @@ def _check_known_shape(name: str, x: Any) -> None:
         )
 
 
+def broadcast_shapes(shapes: dict[str, tuple]) -> tuple:
+    """The broadcast shape of the named shapes (the usual rules: aligned from the right, a size
+    of 1 stretches); a ``ValueError`` naming the arguments and their shapes if they do not
+    broadcast. Only shapes are combined: nothing is copied.
+    """
+    rank = max((len(s) for s in shapes.values()), default=0)
+    result: list[int] = []
+    for axis in range(-rank, 0):
+        sizes = {s[axis] for s in shapes.values() if len(s) >= -axis} - {1}
+        if len(sizes) > 1:
+            listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+            raise ValueError(
+                f"the leading dimensions of {listed} do not broadcast (axis {axis} has sizes "
+                f"{sorted(sizes)}; each must equal the others or be 1)"
+            )
+        result.append(sizes.pop() if sizes else 1)
+    return tuple(result)
+
+
 def check_qkv(
     q: Any, k: Any, v: Any, *, causal: bool, single_token: bool = False
 ) -> AttentionInputs:
     """Validate ``q``, ``k``, ``v`` and resolve namespace, device and dtypes.
 
-    ``q`` and ``k`` are ``(..., T, d_k)``, ``v`` is ``(..., T, d_v)``, with identical leading
-    dimensions. When ``causal`` the query length must equal the key length. With
-    ``single_token`` there is no T axis (one decoding step): ``(..., d_k)`` and ``(..., d_v)``.
+    ``q`` and ``k`` are ``(..., T, d_k)``, ``v`` is ``(..., T, d_v)``; their leading dimensions
+    broadcast against each other (grouped heads: ``q, k`` of ``(B, H, 1, T, d_k)`` against ``v``
+    of ``(B, H, G, T, d_v)``) and ``batch_shape`` is the broadcast shape. When ``causal`` the
+    query length must equal the key length. With ``single_token`` there is no T axis (one
+    decoding step): ``(..., d_k)`` and ``(..., d_v)``.
     """
     qn, kn, vn = names = ("q_t", "k_t", "v_t") if single_token else ("q", "k", "v")
     xp = namespace_of(**{qn: q, kn: k, vn: v})
@@ -164,13 +186,8 @@ def check_qkv(
                 f"q has sequence length {q.shape[-2]} but k has {k.shape[-2]}; causal attention "
                 "needs equal lengths (use linear_attention for cross-attention)"
             )
-    batch_shape = tuple(q.shape[:-core])
-    for name, x in ((kn, k), (vn, v)):
-        if tuple(x.shape[:-core]) != batch_shape:
-            raise ValueError(
-                f"{name} has leading dimensions {tuple(x.shape[:-core])} but {qn} has "
-                f"{batch_shape}; they must be identical"
-            )
+    leading = {name: tuple(x.shape[:-core]) for name, x in zip(names, (q, k, v))}
+    batch_shape = broadcast_shapes(leading)
     return AttentionInputs(xp, device, q.dtype, work_dtype_for(xp, q.dtype), batch_shape)
 
 

@@ -83,8 +83,13 @@ def test_causal_query_length_mismatch(qkv):
 @pytest.mark.parametrize("fn", ENTRY_POINTS)
 def test_leading_dimension_mismatch(fn, qkv):
     q, k, v = qkv
-    with pytest.raises(ValueError, match=r"^v has leading dimensions \(1,\) but q has \(2,\)"):
-        fn(q, k, v[:1])
+    bad = np.concatenate([v, v[:1]])
+    with pytest.raises(
+        ValueError,
+        match=r"^the leading dimensions of q \(2,\), k \(2,\), v \(3,\) do not broadcast "
+        r"\(axis -1 has sizes \[2, 3\]",
+    ):
+        fn(q, k, bad)
 
 
 def test_unknown_method(qkv):
@@ -133,7 +138,9 @@ def test_step_errors(qkv):
     q, k, v = (x[:, 0] for x in qkv)
     with pytest.raises(ValueError, match=r"^k_t has feature size d_k=3 but q_t has d_k=4"):
         step(q, k[..., :3], v)
-    with pytest.raises(ValueError, match=r"^v_t has leading dimensions \(1,\) but q_t has \(2,\)"):
-        step(q, k, v[:1])
+    with pytest.raises(
+        ValueError, match=r"^the leading dimensions of q_t \(2,\), k_t \(2,\), v_t \(3,\)"
+    ):
+        step(q, k, np.concatenate([v, v[:1]]))
     with pytest.raises(TypeError, match=r"^q_t must have a real floating dtype"):
         step(q.astype(np.int32), k, v)
