@@ -15,17 +15,21 @@ from .attention import (
 )
 from .decoding import step
 from .delta_rule import DELTA_METHODS, delta_rule_attention, delta_rule_step
+from .dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step
 
 __version__ = "0.2.0"
 
 __all__ = [
     "DELTA_METHODS",
+    "DPLR_METHODS",
     "METHODS",
     "LinearAttentionState",
     "__version__",
     "causal_linear_attention",
     "delta_rule_attention",
     "delta_rule_step",
+    "dplr_delta_rule",
+    "dplr_delta_rule_step",
     "feature_maps",
     "linear_attention",
     "masked_kernel_attention",

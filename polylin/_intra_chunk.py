@@ -26,6 +26,14 @@ The same levels serve the delta rule's unit lower-triangular inverse ``(I - L)^{
 lower-left quadrant. That is exact triangular inversion (not a truncated series), log-depth,
 one batched computation per level over all blocks of all chunks, with no C x C matrix sliced.
 
+A row set may also *read before its own token's decay* (the generalized delta rule's low-rank
+read ``a_t^T S_{t-1}``): kinds ``"read scores"`` and ``"read solve"`` give the strictly lower
+``N_ts = sum_c r_tc k_sc exp(sum_{s<r'<t} g_r'c)`` (``s < t``) and ``(I - N)^{-1}``. The same
+levels build them: such rows are simply not decayed by their own token at the first level, so
+a row's factor runs from the start of its stretch to ``t`` exclusive (still a product of
+per-token factors <= 1), and after the last level it is ``r_t exp(b_t - g_t)``, the decay from
+the chunk start to ``t`` exclusive.
+
 A scalar gate factors its scores over the chunk: ``(R K^T) * exp(segment sums)``
 (:func:`scalar_gate_scores`), one full matmul and no levels.
 """
@@ -35,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ._ops import causal_mask
+from ._ops import causal_mask, pad_rows
 from ._policy import cumulative_sum, device, unstack
 
 __all__ = [
@@ -44,17 +52,22 @@ __all__ = [
     "merge_inverse",
     "scalar_gate_scores",
     "segment_sums",
+    "unit_lower_inverse",
 ]
 
-#: The kinds of matrix :func:`intra_chunk` builds from a set of rows.
+#: The kinds of matrix :func:`intra_chunk` builds from a set of rows; the ``READ_`` kinds' rows
+#: read before their own token's decay (module docstring).
 SCORES, SOLVE = "scores", "solve"
+READ_SCORES, READ_SOLVE = "read scores", "read solve"
+_SOLVES = (SOLVE, READ_SOLVE)
 
 
 class IntraChunk(NamedTuple):
     """What :func:`intra_chunk` returns; every array has the chunk axes last."""
 
     matrices: list[Any]  # per row set, (..., C, C): M with its diagonal, or (I - strict M)^-1
-    rows: list[Any]  # per row set, (..., C, d): r_t exp(b_t), decayed from the chunk start
+    rows: list[Any]  # per row set, (..., C, d): r_t exp(b_t) (READ_: exp(b_t - g_t), from the
+    # chunk start to t exclusive)
     keys: Any  # (..., C, d): k_s exp(B - b_s), decayed to the chunk end
     whole: Any | None  # (..., 1, w): exp(B), the decay of the whole chunk (None: no gate)
 
@@ -102,6 +115,35 @@ def merge_inverse(xp: Any, inverse: Any, corner: Any, pairs: int) -> Any:
     return _merge(xp, T11, T21, T22, zeros)
 
 
+def unit_lower_inverse(xp: Any, L: Any) -> Any:
+    """``(I - L)^{-1}`` for a strictly lower-triangular ``L`` given as a matrix ``(..., C, C)``.
+
+    The same log-depth merges as :func:`intra_chunk`'s ``"solve"`` kinds, with the corners
+    ``L21`` of each level cut out of ``L`` (a selection of the diagonal blocks, no gather): for a
+    matrix that is not built from rows and keys, such as one computed whole from segment sums.
+    A ``C`` that is not a power of two is padded with zeros (identity rows) and cut back.
+    """
+    *lead, C, _ = L.shape
+    size = 1 << (C - 1).bit_length()
+    if size != C:
+        L = pad_rows(xp, L, size - C)
+        L = xp.matrix_transpose(pad_rows(xp, xp.matrix_transpose(L), size - C))
+    inverse = xp.ones((*lead, size, 1, 1), dtype=L.dtype, device=device(L))
+    h = 1
+    while h < size:
+        pairs = size // (2 * h)
+        blocks = xp.reshape(L, (*lead, pairs, 2, h, pairs, 2, h))
+        lower_rows = unstack(xp, blocks, axis=-5)[1]  # (..., pairs, h, pairs, 2, h)
+        corners = unstack(xp, lower_rows, axis=-2)[0]  # (..., pairs, h, pairs, h)
+        index = xp.arange(pairs, device=device(L))
+        same = (index[:, None] == index[None, :])[:, None, :, None]  # a block with itself
+        corner = xp.sum(xp.where(same, corners, 0.0), axis=-2)  # (..., pairs, h, h)
+        inverse = merge_inverse(xp, inverse, corner, pairs)
+        h *= 2
+    inverse = xp.reshape(inverse, (*lead, size, size))
+    return inverse if size == C else inverse[..., :C, :C]
+
+
 def intra_chunk(
     xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]]
 ) -> IntraChunk:
@@ -112,7 +154,9 @@ def intra_chunk(
     (``w`` 1 or ``d``; ``None``: no decay), each entry of ``rows`` an ``(R, kind)`` with ``R``
     ``(..., C, d)``; the leading dimensions broadcast. ``kind`` is ``"scores"`` for ``M`` with
     its diagonal (0 above it) or ``"solve"`` for the unit lower-triangular ``(I - L)^{-1}``,
-    ``L`` the strictly lower part of ``M`` (pass negated rows for ``(I + L)^{-1}``).
+    ``L`` the strictly lower part of ``M`` (pass negated rows for ``(I + L)^{-1}``);
+    ``"read scores"`` and ``"read solve"`` the same for rows that read before their own token's
+    decay: the strictly lower ``N`` and ``(I - N)^{-1}`` (module docstring).
 
     Each level costs ``O(d)`` products per token per row set and one batched matmul per row
     set; the 1 x 1 corners of the first level are row sums (a tiny batched matmul's backward
@@ -123,12 +167,15 @@ def intra_chunk(
     decayed = [R for R, _ in rows]  # r_t decayed from the start of its stretch to t
     keys = K  # k_s decayed from s (exclusive) to the end of its stretch
     whole = None if G is None else xp.exp(G)  # (..., C / h, w): the decay of each stretch
-    if whole is not None:
-        decayed = [R * whole for R in decayed]
+    if whole is not None:  # rows that read before their token's decay start undecayed
+        decayed = [R if kind in (READ_SCORES, READ_SOLVE) else R * whole for R, kind in rows]
     matrices = []
     for R, kind in rows:
         if kind == SCORES:  # s = t: undecayed
             matrices.append(xp.sum(R * K, axis=-1)[..., None, None])
+        elif kind == READ_SCORES:  # strictly lower: a token does not read its own write
+            shape = (*_shape(R, K), 1, 1)
+            matrices.append(xp.zeros(shape, dtype=K.dtype, device=device(K)))
         else:  # 1 x 1 inverses
             shape = (*_shape(R, K), 1, 1)
             matrices.append(xp.ones(shape, dtype=K.dtype, device=device(K)))
@@ -142,7 +189,7 @@ def intra_chunk(
                 corner = xp.sum(lower_r * upper_k, axis=-1)[..., None]
             else:
                 corner = xp.matmul(lower_r, xp.matrix_transpose(upper_k))  # t lower, s upper
-            if kind == SCORES:
+            if kind not in _SOLVES:
                 M = matrices[i]
                 upper, lower = unstack(
                     xp, xp.reshape(M, (*M.shape[:-3], pairs, 2, h, h)), axis=-3
