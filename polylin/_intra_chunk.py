@@ -92,8 +92,26 @@ def _join(xp: Any, x: Any) -> Any:
     return xp.reshape(x, (*lead, 2 * pairs * half, width))
 
 
+def _joined(xp: Any, upper: Any, lower: Any) -> Any:
+    """The two halves ``(..., pairs, h, w)`` back as ``(..., C, w)``, their leading dimensions
+    broadcast (one half may have been decayed by a gate with more of them)."""
+    shape = (*_shape(upper, lower), upper.shape[-1])
+    if tuple(upper.shape) != shape or tuple(lower.shape) != shape:
+        upper, lower = xp.broadcast_to(upper, shape), xp.broadcast_to(lower, shape)
+    return _join(xp, xp.stack([upper, lower], axis=-3))
+
+
 def _merge(xp: Any, upper: Any, corner: Any, lower: Any, zeros: Any) -> Any:
-    """``[[upper, 0], [corner, lower]]`` for blocks ``(..., h, h)``."""
+    """``[[upper, 0], [corner, lower]]`` for blocks ``(..., h, h)``.
+
+    The blocks' leading dimensions broadcast: a gate with more leading dimensions than the rows
+    and keys (a decay per value head against shared keys) reaches the corners before the
+    diagonal blocks.
+    """
+    blocks = (upper, corner, lower, zeros)
+    shape = (*_shape(*blocks), upper.shape[-1])
+    if any(tuple(x.shape) != shape for x in blocks):
+        upper, corner, lower, zeros = (xp.broadcast_to(x, shape) for x in blocks)
     return xp.concat(
         [xp.concat([upper, zeros], axis=-1), xp.concat([corner, lower], axis=-1)], axis=-2
     )
@@ -205,8 +223,8 @@ def intra_chunk(
             # multiplied by ones: autograd keeps only the halves it multiplies).
             *g_lead, _, width = whole.shape
             first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
-            decayed = [_join(xp, xp.stack([up, low * first], axis=-3)) for up, low in halves]
-            keys = _join(xp, xp.stack([upper_k * second, lower_k], axis=-3))
+            decayed = [_joined(xp, up, low * first) for up, low in halves]
+            keys = _joined(xp, upper_k * second, lower_k)
             whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
     matrices = [xp.reshape(M, (*M.shape[:-3], chunk, chunk)) for M in matrices]
