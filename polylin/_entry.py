@@ -2,10 +2,12 @@
 delta rule): per-token coefficients in the standard layout, log decays, and one run over a plain
 batch, a padding mask or packed sequences.
 
-A run is a function ``run(arrays, S, keep)`` of the per-token arrays (standard layout, work
-dtype), the state and an optional boolean ``keep`` (``(..., T, 1)``, True for real tokens) that
-returns ``(out, S)``; :func:`run_sequences` validates the state, builds ``keep`` from
-``attention_mask`` or ``cu_seqlens`` (packing the sequences into a padded batch) and calls it.
+An algorithm is a function ``algorithm(arrays, S)`` of the per-token arrays (standard layout,
+work dtype) and the state that returns ``(out, S)``. :func:`run_sequences` validates the state,
+builds the mask of real tokens from ``attention_mask`` or ``cu_seqlens`` (packing the sequences
+into a padded batch), selects every per-token array to 0 at masked tokens (for these
+recurrences zero inputs and a zero log decay leave the state exactly as it was), runs the
+algorithm, zeroes the masked outputs and restores the caller's layout and dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from ._layout import SequenceLayout
 from ._policy import is_array
+from ._prepare import finish
 from ._validation import (
     AttentionInputs,
     check_coefficient,
@@ -31,8 +34,8 @@ __all__ = ["LOG_DECAY_BOUNDS", "check_log_decay", "in_standard_layout", "run_seq
 #: Python-float log decays must lie here: a decay never amplifies the state.
 LOG_DECAY_BOUNDS = (-math.inf, 0.0)
 
-#: ``run(arrays, S, keep) -> (out, S)``: one algorithm on validated arrays (module docstring).
-Run = Callable[[list[Any], Any, Any], tuple[Any, Any]]
+#: ``algorithm(arrays, S) -> (out, S)``: one form on validated arrays (module docstring).
+Algorithm = Callable[[list[Any], Any], tuple[Any, Any]]
 
 
 def in_standard_layout(layout: SequenceLayout, name: str, x: Any) -> Any:
@@ -81,21 +84,23 @@ def run_sequences(
     inputs: AttentionInputs,
     layout: SequenceLayout,
     arrays: list[Any],
-    run: Run,
+    algorithm: Algorithm,
     *,
     length: int,
     state_shape: tuple,
     initial_state: Any,
     attention_mask: Any,
     cu_seqlens: Sequence[int] | None,
-) -> tuple[Any, Any]:
-    """Validate the state and the mask or offsets, run, and return ``(out, S)``.
+    return_state: bool,
+) -> Any:
+    """Validate the state and the mask or offsets, run, and return ``out`` or ``(out, S)``.
 
-    ``arrays`` are ``(..., T, d)`` with the inputs' full leading dimensions; ``state_shape`` is
-    the state's shape without them (``(d_k, d_v)``). With ``cu_seqlens`` the sequences are
+    ``arrays`` are ``(..., T, d)`` in the standard layout; ``state_shape`` is the state's shape
+    without the leading dimensions (``(d_k, d_v)``). With ``cu_seqlens`` the sequences are
     packed into a padded batch (one state per sequence, ``(..., N, *state_shape)``).
     """
     xp, batch = inputs.xp, inputs.batch_shape
+    keep = None
     if cu_seqlens is not None:
         if attention_mask is not None:
             raise ValueError("pass attention_mask or cu_seqlens, not both")
@@ -106,15 +111,21 @@ def run_sequences(
             inputs, initial_state, (*batch, n_seqs, *state_shape), name="initial_state"
         )
         keep = length_mask(xp, offsets, max_len, inputs.device)[..., None]
-        out, S = run([pack(xp, x, offsets, max_len) for x in arrays], S, keep)
-        out = unpack(xp, out, offsets)
+        arrays = [pack(xp, x, offsets, max_len) for x in arrays]
     else:
         S = check_matrix_state(inputs, initial_state, (*batch, *state_shape), name="initial_state")
-        keep = None
         if attention_mask is not None:
             mask = check_mask(inputs, attention_mask, length, layout)
             keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
-        out, S = run(arrays, S, keep)
+    if keep is not None:
+        # Selection, not multiplication: padding may hold NaN, and its inputs are never read.
+        arrays = [xp.where(keep, x, 0.0) for x in arrays]
+    out, S = algorithm(arrays, S)
+    if keep is not None:
+        out = xp.where(keep, out, 0.0)
+    if cu_seqlens is not None:
+        out = unpack(xp, out, offsets)
     if length == 0 and initial_state is not None:  # never hand back the caller's own array
         S = xp.asarray(S, copy=True)
-    return out, S
+    out = layout.restore(finish(inputs, out, None))
+    return (out, S) if return_state else out

@@ -34,30 +34,17 @@ DELTA_METHODS = ("chunked", "recurrent")
 _BETA_BOUNDS = (0.0, 2.0)
 
 
-def _run(
-    xp: Any,
-    arrays: list[Any],
-    S: Any,
-    keep: Any | None,
-    *,
-    method: str,
-    chunk_size: int,
-) -> tuple[Any, Any]:
-    """Mask by selection, run one algorithm, zero the masked outputs."""
-    q, k, v, beta, *rest = arrays
-    g = rest[0] if rest else None
-    if keep is not None:
-        # Selection, not multiplication: padding may hold NaN. A masked token has beta = 0
-        # (writes nothing) and log decay 0 (does not decay the state).
-        q, k, v, beta = (xp.where(keep, x, 0.0) for x in (q, k, v, beta))
-        g = None if g is None else xp.where(keep, g, 0.0)
-    if method == "chunked":
-        out, S = delta_chunked(xp, q, k, v, beta, g, S, chunk_size=chunk_size)
-    else:
-        out, S = delta_recurrent(xp, q, k, v, beta, g, S)
-    if keep is not None:
-        out = xp.where(keep, out, 0.0)
-    return out, S
+def _algorithm(xp: Any, method: str, chunk_size: int) -> Any:
+    """The form that ``method`` names, on the arrays ``[q, k, v, beta(, log_decay)]``."""
+
+    def algorithm(arrays: list[Any], S: Any) -> tuple[Any, Any]:
+        q, k, v, beta, *rest = arrays
+        g = rest[0] if rest else None
+        if method == "chunked":
+            return delta_chunked(xp, q, k, v, beta, g, S, chunk_size=chunk_size)
+        return delta_recurrent(xp, q, k, v, beta, g, S)
+
+    return algorithm
 
 
 def delta_rule_attention(
@@ -178,22 +165,18 @@ def delta_rule_attention(
     if g is not None:
         arrays.append(g)
 
-    def run(arrays: list[Any], S: Any, keep: Any) -> tuple[Any, Any]:
-        return _run(xp, arrays, S, keep, method=method, chunk_size=chunk_size)
-
-    out, S = run_sequences(
+    return run_sequences(
         inputs,
         layout,
         arrays,
-        run,
+        _algorithm(xp, method, chunk_size),
         length=T,
         state_shape=(d_k, d_v),
         initial_state=initial_state,
         attention_mask=attention_mask,
         cu_seqlens=cu_seqlens,
+        return_state=return_state,
     )
-    out = layout.restore(finish(inputs, out, None))
-    return (out, S) if return_state else out
 
 
 def delta_rule_step(

@@ -60,26 +60,18 @@ def _check_vectors(inputs: AttentionInputs, x: Any, shape: tuple, name: str) -> 
     return inputs.xp.broadcast_to(inputs.to_work_dtype(x), (*lead, *shape[-core:]))
 
 
-def _run(
-    xp: Any, arrays: list[Any], S: Any, keep: Any | None, *, method: str, chunk_size: int
-) -> tuple[Any, Any]:
-    """Mask by selection, run one algorithm, zero the masked outputs."""
-    q, k, v, a, b, *rest = arrays
-    g = rest[0] if rest else None
-    if keep is not None:
-        # Selection, not multiplication: padding may hold NaN. A masked token writes nothing,
-        # applies no low-rank term (a = b = 0) and does not decay the state (g = 0).
-        q, k, v, a, b = (xp.where(keep, x, 0.0) for x in (q, k, v, a, b))
-        g = None if g is None else xp.where(keep, g, 0.0)
-    if method == "chunked":
-        out, S = dplr_chunked(xp, q, k, v, a, b, g, S, chunk_size=chunk_size)
-    elif method == "quadratic":
-        out, S = dplr_quadratic(xp, q, k, v, a, b, g, S)
-    else:
-        out, S = dplr_recurrent(xp, q, k, v, a, b, g, S)
-    if keep is not None:
-        out = xp.where(keep, out, 0.0)
-    return out, S
+def _algorithm(xp: Any, method: str, chunk_size: int) -> Any:
+    """The form that ``method`` names, on the arrays ``[q, k, v, a, b(, log_decay)]``."""
+
+    def algorithm(arrays: list[Any], S: Any) -> tuple[Any, Any]:
+        q, k, v, a, b, *rest = arrays
+        g = rest[0] if rest else None
+        if method == "chunked":
+            return dplr_chunked(xp, q, k, v, a, b, g, S, chunk_size=chunk_size)
+        form = dplr_quadratic if method == "quadratic" else dplr_recurrent
+        return form(xp, q, k, v, a, b, g, S)
+
+    return algorithm
 
 
 def dplr_delta_rule(
@@ -211,22 +203,20 @@ def dplr_delta_rule(
     if g is not None:
         arrays.append(g)
 
-    def run(arrays: list[Any], S: Any, keep: Any) -> tuple[Any, Any]:
-        return _run(xp, arrays, S, keep, method=method, chunk_size=chunk_size)
-
-    out, S = run_sequences(
+    # A masked token has every input selected to 0: it writes nothing, applies no low-rank
+    # term (a = b = 0) and does not decay the state (g = 0).
+    return run_sequences(
         inputs,
         layout,
         arrays,
-        run,
+        _algorithm(xp, method, chunk_size),
         length=T,
         state_shape=(d_k, d_v),
         initial_state=initial_state,
         attention_mask=attention_mask,
         cu_seqlens=cu_seqlens,
+        return_state=return_state,
     )
-    out = layout.restore(finish(inputs, out, None))
-    return (out, S) if return_state else out
 
 
 def dplr_delta_rule_step(
