@@ -28,6 +28,7 @@ Every function takes ``xp`` and arrays already validated, masked (masked tokens 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ._intra_chunk import (
@@ -38,10 +39,10 @@ from ._intra_chunk import (
     segment_sums,
     unit_lower_inverse,
 )
-from ._ops import causal_mask, pad_rows
-from ._policy import cumulative_sum, device, unstack
+from ._ops import causal_mask, pad_rows, split_rows
+from ._policy import cumulative_sum, device, eager_cpu, unstack
 
-__all__ = ["dplr_chunked", "dplr_quadratic", "dplr_recurrent", "dplr_step"]
+__all__ = ["BLOCK_ROWS", "dplr_chunked", "dplr_quadratic", "dplr_recurrent", "dplr_step"]
 
 
 def dplr_step(
@@ -131,26 +132,54 @@ def dplr_quadratic(
     return out, S
 
 
+#: Rows (batch x tokens) per block of chunks on eager CPU backends: the chunks' C x C
+#: intermediates of one block (the four matrices, the inverse, each level's blocks) stay in
+#: cache instead of being allocated at the size of the whole sequence (as the delta rule's
+#: chunked form does; measured in ``benchmarks/dplr.py``).
+BLOCK_ROWS = 4096
+
+
 def dplr_chunked(
     xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, g: Any | None, S: Any, *, chunk_size: int
 ) -> tuple[Any, Any]:
     """Chunks of ``chunk_size`` tokens (rounded up to a power of two) from the state ``S``.
 
-    Within every chunk (all chunks at once, batched): the four matrices of decayed inner
-    products and the inverse of ``I - L``; then ``R = U + W S`` and the state update per chunk,
-    two small matmuls each in the sequential loop over chunks.
+    Within every chunk (all chunks of a block at once, batched): the four matrices of decayed
+    inner products and the inverse of ``I - L``; then ``R = U + W S`` and the state update per
+    chunk, two small matmuls each in the sequential loop over chunks. On eager CPU backends the
+    chunks are processed in blocks of about :data:`BLOCK_ROWS` rows, cut by one reshape and one
+    ``unstack`` per input (:func:`polylin._ops.split_rows`); lazy and accelerator backends get
+    one block.
     """
-    T, d_v = k.shape[-2], v.shape[-1]
+    T = k.shape[-2]
     if T == 0:
         return v[..., :0, :], S
     chunk = 1 << (min(chunk_size, T) - 1).bit_length()
-    n_chunks = -(-T // chunk)
-    padded = n_chunks * chunk
+    padded = -(-T // chunk) * chunk
     arrays = [q, k, v, a, b] + ([] if g is None else [g])
     if padded != T:  # zero k, v, a, b write nothing, zero g keeps the state; outputs dropped
         arrays = [pad_rows(xp, x, padded - T) for x in arrays]
+    block = padded
+    if eager_cpu(xp, device(k)):
+        rows = math.prod(S.shape[:-2])
+        block = min(padded, chunk * max(1, BLOCK_ROWS // (chunk * max(1, rows))))
+    outputs = []
+    for pieces in zip(*(split_rows(xp, x, block, padded) for x in arrays)):
+        out, S = _chunks(xp, *pieces, S=S, chunk=chunk)
+        outputs.append(out)
+    out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
+    return (out if padded == T else out[..., :T, :]), S
+
+
+def _chunks(
+    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, *rest: Any, S: Any, chunk: int
+) -> tuple[Any, Any]:
+    """Outputs of consecutive chunks (their length a multiple of ``chunk``) from the state ``S``,
+    and the state after them."""
+    length, d_v = k.shape[-2], v.shape[-1]
+    n_chunks = length // chunk
     Q, K, V, A, B, *rest = (
-        xp.reshape(x, (*x.shape[:-2], n_chunks, chunk, x.shape[-1])) for x in arrays
+        xp.reshape(x, (*x.shape[:-2], n_chunks, chunk, x.shape[-1])) for x in (q, k, v, a, b, *rest)
     )
     G = rest[0] if rest else None
     # Two sets of keys, k and b; the queries meet both (outputs), the a rows read before their
@@ -179,5 +208,4 @@ def dplr_chunked(
     starts = xp.stack(states, axis=-3)  # (..., n, d_k, d_v): the state before each chunk
     R = xp.stack(all_reads, axis=-3)  # (..., n, C, d_v)
     out = xp.matmul(queries, starts) + xp.matmul(A_qk, V) + xp.matmul(A_qb, R)
-    out = xp.reshape(out, (*out.shape[:-3], padded, d_v))
-    return (out if padded == T else out[..., :T, :]), S
+    return xp.reshape(out, (*out.shape[:-3], length, d_v)), S
