@@ -124,7 +124,12 @@ def dplr_quadratic(
     A_qb = xp.where(causal, _decayed_products(xp, q, b, E), 0.0)
     A_ak = xp.where(strict, _decayed_products(xp, a, k, F), 0.0)
     L = xp.where(strict, _decayed_products(xp, a, b, F), 0.0)
-    inverse = unit_lower_inverse(xp, L)
+    size = 1 << (T - 1).bit_length()  # the inversion merges blocks of powers of two
+    if size != T:  # zero rows and columns: identity rows, the leading T x T block unchanged
+        L = xp.matrix_transpose(
+            pad_rows(xp, xp.matrix_transpose(pad_rows(xp, L, size - T)), size - T)
+        )
+    inverse = unit_lower_inverse(xp, L)[..., :T, :T] if size != T else unit_lower_inverse(xp, L)
     R = xp.matmul(inverse, xp.matmul(reads, S) + xp.matmul(A_ak, v))  # the reads r_t
     out = xp.matmul(queries, S) + xp.matmul(A_qk, v) + xp.matmul(A_qb, R)
     kept = S if total is None else total * S
@@ -172,14 +177,14 @@ def dplr_chunked(
 
 
 def _chunks(
-    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, *rest: Any, S: Any, chunk: int
+    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, *gate: Any, S: Any, chunk: int
 ) -> tuple[Any, Any]:
     """Outputs of consecutive chunks (their length a multiple of ``chunk``) from the state ``S``,
     and the state after them."""
     length, d_v = k.shape[-2], v.shape[-1]
     n_chunks = length // chunk
     Q, K, V, A, B, *rest = (
-        xp.reshape(x, (*x.shape[:-2], n_chunks, chunk, x.shape[-1])) for x in (q, k, v, a, b, *rest)
+        xp.reshape(x, (*x.shape[:-2], n_chunks, chunk, x.shape[-1])) for x in (q, k, v, a, b, *gate)
     )
     G = rest[0] if rest else None
     # Two sets of keys, k and b; the queries meet both (outputs), the a rows read before their

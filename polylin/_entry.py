@@ -13,12 +13,13 @@ algorithm, zeroes the masked outputs and restores the caller's layout and dtype.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from itertools import pairwise
 from typing import Any
 
 from ._layout import SequenceLayout
-from ._policy import is_array
+from ._policy import is_array, is_tracer
 from ._prepare import finish
 from ._validation import (
     AttentionInputs,
@@ -29,13 +30,33 @@ from ._validation import (
 )
 from ._varlen import length_mask, pack, unpack
 
-__all__ = ["LOG_DECAY_BOUNDS", "check_log_decay", "in_standard_layout", "run_sequences"]
+__all__ = [
+    "LOG_DECAY_BOUNDS",
+    "check_log_decay",
+    "check_scale",
+    "in_standard_layout",
+    "run_sequences",
+]
 
 #: Python-float log decays must lie here: a decay never amplifies the state.
 LOG_DECAY_BOUNDS = (-math.inf, 0.0)
 
 #: ``algorithm(arrays, S) -> (out, S)``: one form on validated arrays (module docstring).
 Algorithm = Callable[[list[Any], Any], tuple[Any, Any]]
+
+
+def check_scale(scale: Any) -> float:
+    """The output scale: a finite real number, static under ``jax.jit``; as a Python float."""
+    if is_tracer(scale):
+        raise TypeError(
+            "scale must be static under jax.jit: pass it in static_argnames or bind it with "
+            "functools.partial"
+        )
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
 
 
 def in_standard_layout(layout: SequenceLayout, name: str, x: Any) -> Any:

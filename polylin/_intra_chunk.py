@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ._ops import causal_mask, pad_rows
+from ._ops import causal_mask
 from ._policy import cumulative_sum, device, unstack
 
 __all__ = [
@@ -59,15 +59,15 @@ __all__ = [
 #: read before their own token's decay (module docstring).
 SCORES, SOLVE = "scores", "solve"
 READ_SCORES, READ_SOLVE = "read scores", "read solve"
-_SOLVES = (SOLVE, READ_SOLVE)
+_READS = (READ_SCORES, READ_SOLVE)
 
 
 class IntraChunk(NamedTuple):
     """What :func:`intra_chunk` returns; every array has the chunk axes last."""
 
     matrices: list[Any]  # per row set, (..., C, C): M with its diagonal, or (I - strict M)^-1
-    rows: list[Any]  # per row set, (..., C, d): r_t exp(b_t) (READ_: exp(b_t - g_t), from the
-    # chunk start to t exclusive)
+    rows: list[Any]  # per row set, (..., C, d): r_t exp(b_t), decayed from the chunk start
+    # (the READ_ kinds: r_t exp(b_t - g_t), to t exclusive)
     keys: Any  # (..., C, d): k_s exp(B - b_s), decayed to the chunk end
     whole: Any | None  # (..., 1, w): exp(B), the decay of the whole chunk (None: no gate)
 
@@ -92,26 +92,25 @@ def _join(xp: Any, x: Any) -> Any:
     return xp.reshape(x, (*lead, 2 * pairs * half, width))
 
 
-def _joined(xp: Any, upper: Any, lower: Any) -> Any:
-    """The two halves ``(..., pairs, h, w)`` back as ``(..., C, w)``, their leading dimensions
-    broadcast (one half may have been decayed by a gate with more of them)."""
-    shape = (*_shape(upper, lower), upper.shape[-1])
-    if tuple(upper.shape) != shape or tuple(lower.shape) != shape:
-        upper, lower = xp.broadcast_to(upper, shape), xp.broadcast_to(lower, shape)
-    return _join(xp, xp.stack([upper, lower], axis=-3))
+def _joined(xp: Any, first: Any, second: Any) -> Any:
+    """The halves ``(..., pairs, h, w)`` of each block joined back to ``(..., C, w)``, their
+    leading dimensions broadcast (a grouped gate decays one half per group)."""
+    lead = _shape(first[..., 0], second[..., 0])
+    first, second = (
+        x if tuple(x.shape[:-2]) == lead else xp.broadcast_to(x, (*lead, *x.shape[-2:]))
+        for x in (first, second)
+    )
+    return _join(xp, xp.stack([first, second], axis=-3))
 
 
 def _merge(xp: Any, upper: Any, corner: Any, lower: Any, zeros: Any) -> Any:
-    """``[[upper, 0], [corner, lower]]`` for blocks ``(..., h, h)``.
-
-    The blocks' leading dimensions broadcast: a gate with more leading dimensions than the rows
-    and keys (a decay per value head against shared keys) reaches the corners before the
-    diagonal blocks.
-    """
-    blocks = (upper, corner, lower, zeros)
-    shape = (*_shape(*blocks), upper.shape[-1])
-    if any(tuple(x.shape) != shape for x in blocks):
-        upper, corner, lower, zeros = (xp.broadcast_to(x, shape) for x in blocks)
+    """``[[upper, 0], [corner, lower]]`` for blocks ``(..., h, h)`` (leading dimensions
+    broadcast: a grouped gate makes the corners per group before the diagonal blocks are)."""
+    lead = _shape(*(x[..., 0] for x in (upper, corner, lower, zeros)))
+    upper, corner, lower, zeros = (
+        x if tuple(x.shape[:-2]) == lead else xp.broadcast_to(x, (*lead, *x.shape[-2:]))
+        for x in (upper, corner, lower, zeros)
+    )
     return xp.concat(
         [xp.concat([upper, zeros], axis=-1), xp.concat([corner, lower], axis=-1)], axis=-2
     )
@@ -134,37 +133,28 @@ def merge_inverse(xp: Any, inverse: Any, corner: Any, pairs: int) -> Any:
 
 
 def unit_lower_inverse(xp: Any, L: Any) -> Any:
-    """``(I - L)^{-1}`` for a strictly lower-triangular ``L`` given as a matrix ``(..., C, C)``.
-
-    The same log-depth merges as :func:`intra_chunk`'s ``"solve"`` kinds, with the corners
-    ``L21`` of each level cut out of ``L`` (a selection of the diagonal blocks, no gather): for a
-    matrix that is not built from rows and keys, such as one computed whole from segment sums.
-    A ``C`` that is not a power of two is padded with zeros (identity rows) and cut back.
+    """``(I - L)^{-1}`` for a given strictly lower-triangular ``L`` ``(..., C, C)``, C a power
+    of two: the levels of :func:`merge_inverse` with each level's lower-left quadrants taken
+    from ``L`` (one ``take`` of the flattened matrix per level, no slice in a loop).
     """
-    *lead, C, _ = L.shape
-    size = 1 << (C - 1).bit_length()
-    if size != C:
-        L = pad_rows(xp, L, size - C)
-        L = xp.matrix_transpose(pad_rows(xp, xp.matrix_transpose(L), size - C))
+    size = L.shape[-1]
+    lead = L.shape[:-2]
+    flat = xp.reshape(L, (*lead, size * size))
     inverse = xp.ones((*lead, size, 1, 1), dtype=L.dtype, device=device(L))
     h = 1
     while h < size:
         pairs = size // (2 * h)
-        blocks = xp.reshape(L, (*lead, pairs, 2, h, pairs, 2, h))
-        lower_rows = unstack(xp, blocks, axis=-5)[1]  # (..., pairs, h, pairs, 2, h)
-        corners = unstack(xp, lower_rows, axis=-2)[0]  # (..., pairs, h, pairs, h)
-        index = xp.arange(pairs, device=device(L))
-        same = (index[:, None] == index[None, :])[:, None, :, None]  # a block with itself
-        corner = xp.sum(xp.where(same, corners, 0.0), axis=-2)  # (..., pairs, h, h)
+        block = xp.arange(pairs, device=device(L))[:, None, None] * (2 * h * size + 2 * h)
+        row = xp.arange(h, device=device(L))[None, :, None] * size
+        col = xp.arange(h, device=device(L))[None, None, :]
+        index = xp.reshape(block + row + col + h * size, (pairs * h * h,))
+        corner = xp.reshape(xp.take(flat, index, axis=-1), (*lead, pairs, h, h))
         inverse = merge_inverse(xp, inverse, corner, pairs)
         h *= 2
-    inverse = xp.reshape(inverse, (*lead, size, size))
-    return inverse if size == C else inverse[..., :C, :C]
+    return xp.reshape(inverse, (*lead, size, size))
 
 
-def intra_chunk(
-    xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]]
-) -> IntraChunk:
+def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]]) -> IntraChunk:
     """The decayed intra-chunk matrices of several row sets against the keys ``K``, and the
     factors that carry the state across the chunk (module docstring).
 
@@ -176,57 +166,103 @@ def intra_chunk(
     ``"read scores"`` and ``"read solve"`` the same for rows that read before their own token's
     decay: the strictly lower ``N`` and ``(I - N)^{-1}`` (module docstring).
 
-    Each level costs ``O(d)`` products per token per row set and one batched matmul per row
-    set; the 1 x 1 corners of the first level are row sums (a tiny batched matmul's backward
-    costs several times as much).
+    Each level costs one batched matmul per row set and ``O(d)`` products per token per row
+    set for a per-channel gate (``O(h)`` per token for a scalar one); the 1 x 1 corners of the
+    first level are row sums (a tiny batched matmul's backward costs several times as much).
     """
     chunk = K.shape[-2]
     kinds = [kind for _, kind in rows]
     decayed = [R for R, _ in rows]  # r_t decayed from the start of its stretch to t
     keys = K  # k_s decayed from s (exclusive) to the end of its stretch
     whole = None if G is None else xp.exp(G)  # (..., C / h, w): the decay of each stretch
-    if whole is not None:  # rows that read before their token's decay start undecayed
-        decayed = [R if kind in (READ_SCORES, READ_SOLVE) else R * whole for R, kind in rows]
-    matrices = []
-    for R, kind in rows:
-        if kind == SCORES:  # s = t: undecayed
+    # A scalar gate keeps its factors apart, (..., C, 1) for the rows and the keys, and scales
+    # each h x h corner by their outer product: h^2 products per block instead of 2 h d.
+    scalar = whole is not None and whole.shape[-1] == 1
+    # Rows that read before their own token's decay start undecayed: their factor (None: ones)
+    # runs from the start of their stretch to t exclusive.
+    row_factor, key_factor, read_factor = whole, None, None
+    reading = any(kind in _READS for kind in kinds)
+    if whole is not None and not scalar:
+        decayed = [R if kind in _READS else R * whole for R, kind in rows]
+    matrices: list[Any] = []
+    for R, kind in rows:  # s = t: undecayed (a read does not see its own token's write)
+        if kind == SCORES:
             matrices.append(xp.sum(R * K, axis=-1)[..., None, None])
-        elif kind == READ_SCORES:  # strictly lower: a token does not read its own write
+        elif kind == READ_SCORES:
             shape = (*_shape(R, K), 1, 1)
             matrices.append(xp.zeros(shape, dtype=K.dtype, device=device(K)))
-        else:  # 1 x 1 inverses
-            shape = (*_shape(R, K), 1, 1)
-            matrices.append(xp.ones(shape, dtype=K.dtype, device=device(K)))
+        else:
+            matrices.append(None)
     h = 1
     while h < chunk:
         pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
         upper_k, lower_k = unstack(xp, _halves(xp, keys, pairs), axis=-3)
         halves = [unstack(xp, _halves(xp, R, pairs), axis=-3) for R in decayed]
+        if scalar:
+            _, low_f = unstack(xp, _halves(xp, row_factor, pairs), axis=-3)
+            up_kf = None
+            if key_factor is None:
+                outer = low_f
+            else:
+                up_kf, _ = unstack(xp, _halves(xp, key_factor, pairs), axis=-3)
+                outer = low_f * xp.matrix_transpose(up_kf)
+            outer_read = None if up_kf is None else xp.matrix_transpose(up_kf)
+            if reading and read_factor is not None:
+                _, low_rf = unstack(xp, _halves(xp, read_factor, pairs), axis=-3)
+                outer_read = low_rf if outer_read is None else low_rf * outer_read
         for i, (kind, (_, lower_r)) in enumerate(zip(kinds, halves)):
             if h == 1:
                 corner = xp.sum(lower_r * upper_k, axis=-1)[..., None]
             else:
                 corner = xp.matmul(lower_r, xp.matrix_transpose(upper_k))  # t lower, s upper
-            if kind not in _SOLVES:
-                M = matrices[i]
-                upper, lower = unstack(
-                    xp, xp.reshape(M, (*M.shape[:-3], pairs, 2, h, h)), axis=-3
-                )
+            if scalar:
+                factor = outer_read if kind in _READS else outer
+                corner = corner if factor is None else corner * factor
+            M = matrices[i]
+            if kind in (SCORES, READ_SCORES):
+                upper, lower = unstack(xp, xp.reshape(M, (*M.shape[:-3], pairs, 2, h, h)), axis=-3)
                 matrices[i] = _merge(xp, upper, corner, lower, xp.zeros_like(upper))
+            elif M is None:  # the 2 x 2 inverses [[1, 0], [l, 1]]
+                entry = corner[..., 0, 0]
+                one, zero = xp.ones_like(entry), xp.zeros_like(entry)
+                pattern = xp.stack([one, zero, entry, one], axis=-1)
+                matrices[i] = xp.reshape(pattern, (*entry.shape, 2, 2))
             else:
-                matrices[i] = merge_inverse(xp, matrices[i], corner, pairs)
-        if whole is None:
-            keys = _join(xp, xp.stack([upper_k, lower_k], axis=-3))
-        else:
+                matrices[i] = merge_inverse(xp, M, corner, pairs)
+        if whole is not None:
             # Stretches of 2h: a row in the second half also crosses the whole first half, a
             # key in the first half the whole second half; the other halves are unchanged (not
             # multiplied by ones: autograd keeps only the halves it multiplies).
             *g_lead, _, width = whole.shape
             first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
-            decayed = [_joined(xp, up, low * first) for up, low in halves]
-            keys = _joined(xp, upper_k * second, lower_k)
+            if scalar:
+                up_f, low_f = unstack(xp, _halves(xp, row_factor, pairs), axis=-3)
+                row_factor = _joined(xp, up_f, low_f * first)
+                if key_factor is None:
+                    key_factor = _joined(xp, second, xp.ones_like(second))
+                else:
+                    up_f, low_f = unstack(xp, _halves(xp, key_factor, pairs), axis=-3)
+                    key_factor = _joined(xp, up_f * second, low_f)
+                if not reading:
+                    pass
+                elif read_factor is None:
+                    read_factor = _joined(xp, xp.ones_like(first), first)
+                else:
+                    up_f, low_f = unstack(xp, _halves(xp, read_factor, pairs), axis=-3)
+                    read_factor = _joined(xp, up_f, low_f * first)
+            else:
+                decayed = [_joined(xp, up, low * first) for up, low in halves]
+                keys = _joined(xp, upper_k * second, lower_k)
             whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
+    if scalar:
+        factors = [read_factor if kind in _READS else row_factor for kind in kinds]
+        decayed = [R if f is None else R * f for R, f in zip(decayed, factors)]
+        keys = K if key_factor is None else K * key_factor
+    matrices = [
+        xp.ones((*_shape(R, K), 1, 1), dtype=K.dtype, device=device(K)) if M is None else M
+        for M, (R, _) in zip(matrices, rows)
+    ]  # C = 1
     matrices = [xp.reshape(M, (*M.shape[:-3], chunk, chunk)) for M in matrices]
     return IntraChunk(matrices, decayed, keys, whole)
 

@@ -11,8 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._delta import delta_chunked, delta_recurrent, delta_step
-from ._entry import check_log_decay, in_standard_layout, run_sequences
+from ._delta_quadratic import delta_quadratic
+from ._entry import check_log_decay, check_scale, in_standard_layout, run_sequences
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
+from ._ops import l2_normalize
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import finish
 from ._typing import Array
@@ -27,22 +29,40 @@ from ._validation import (
 __all__ = ["DELTA_METHODS", "delta_rule_attention", "delta_rule_step"]
 
 #: The algorithms of :func:`delta_rule_attention`; they compute the same function.
-DELTA_METHODS = ("chunked", "recurrent")
+DELTA_METHODS = ("chunked", "recurrent", "quadratic")
 
 #: Python-float ``beta`` must lie here: for a unit key each step then shrinks the state
 #: (eigenvalue ``1 - beta`` along the key), the condition for a stable recurrence.
 _BETA_BOUNDS = (0.0, 2.0)
 
 
-def _algorithm(xp: Any, method: str, chunk_size: int) -> Any:
-    """The form that ``method`` names, on the arrays ``[q, k, v, beta(, log_decay)]``."""
+def _check_scale_and_norm(scale: Any, qk_l2norm: Any) -> float:
+    """``scale`` must be a finite real number, ``qk_l2norm`` a bool; returns ``float(scale)``."""
+    scale = check_scale(scale)
+    if not isinstance(qk_l2norm, bool):
+        raise TypeError(f"qk_l2norm must be True or False, got {type(qk_l2norm).__name__}")
+    return scale
+
+
+def _algorithm(xp: Any, *, method: str, chunk_size: int, scale: float, qk_l2norm: bool) -> Any:
+    """The form that ``method`` names, on the arrays ``[q, k, v, beta(, log_decay)]``, its
+    output scaled."""
 
     def algorithm(arrays: list[Any], S: Any) -> tuple[Any, Any]:
         q, k, v, beta, *rest = arrays
         g = rest[0] if rest else None
-        if method == "chunked":
-            return delta_chunked(xp, q, k, v, beta, g, S, chunk_size=chunk_size)
-        return delta_recurrent(xp, q, k, v, beta, g, S)
+        if method == "chunked":  # normalizes q and k block by block (delta_chunked)
+            out, S = delta_chunked(
+                xp, q, k, v, beta, g, S, chunk_size=chunk_size, qk_l2norm=qk_l2norm
+            )
+        else:
+            if qk_l2norm:
+                q, k = l2_normalize(xp, q), l2_normalize(xp, k)
+            form = delta_recurrent if method == "recurrent" else delta_quadratic
+            out, S = form(xp, q, k, v, beta, g, S)
+        if scale != 1.0:  # o_t = S_t^T (scale q_t) = scale (S_t^T q_t); the state is unchanged
+            out = out * scale
+        return out, S
 
     return algorithm
 
@@ -55,6 +75,8 @@ def delta_rule_attention(
     /,
     *,
     log_decay: Array | None = None,
+    scale: float = 1.0,
+    qk_l2norm: bool = False,
     method: str = "chunked",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     initial_state: Array | None = None,
@@ -154,6 +176,7 @@ def delta_rule_attention(
     check_options(eps=DEFAULT_EPS, chunk_size=chunk_size)  # an Integral >= 1, not a tracer
     chunk_size = int(chunk_size)
     check_method(method, DELTA_METHODS)
+    scale = _check_scale_and_norm(scale, qk_l2norm)
     beta = in_standard_layout(layout, "beta", beta)
     log_decay = in_standard_layout(layout, "log_decay", log_decay)
     xp = inputs.xp
@@ -161,15 +184,19 @@ def delta_rule_attention(
     per_token = (*batch, T, 1)
     arrays = [inputs.to_work_dtype(x) for x in (q, k, v)]
     arrays.append(check_coefficient(inputs, beta, per_token, name="beta", bounds=_BETA_BOUNDS))
-    g = check_log_decay(inputs, log_decay, per_token)
+    g = check_log_decay(inputs, log_decay, per_token, channels=d_k)
     if g is not None:
         arrays.append(g)
-
+    # A masked token has every input selected to 0: beta = 0 (it writes nothing) and log decay
+    # 0 (it does not decay the state).
+    algorithm = _algorithm(
+        xp, method=method, chunk_size=chunk_size, scale=scale, qk_l2norm=qk_l2norm
+    )
     return run_sequences(
         inputs,
         layout,
         arrays,
-        _algorithm(xp, method, chunk_size),
+        algorithm,
         length=T,
         state_shape=(d_k, d_v),
         initial_state=initial_state,
@@ -188,6 +215,8 @@ def delta_rule_step(
     /,
     *,
     log_decay: Array | None = None,
+    scale: float = 1.0,
+    qk_l2norm: bool = False,
 ) -> tuple[Array, Array]:
     """One token of the (gated) delta rule: update the state with ``(k_t, v_t)``, read with ``q_t``.
 
@@ -243,8 +272,13 @@ def delta_rule_step(
     xp = inputs.xp
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
     beta = check_coefficient(inputs, beta_t, (*batch, 1), name="beta_t", bounds=_BETA_BOUNDS)
-    g = check_log_decay(inputs, log_decay, (*batch, 1))
+    g = check_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
+    scale = _check_scale_and_norm(scale, qk_l2norm)
     S = check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
     q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
+    if qk_l2norm:
+        q, k = l2_normalize(xp, q), l2_normalize(xp, k)
     o_t, S = delta_step(xp, q, k, v, beta, None if g is None else xp.exp(g), S)
+    if scale != 1.0:
+        o_t = o_t * scale
     return finish(inputs, o_t, None), S

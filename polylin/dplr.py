@@ -9,14 +9,13 @@ substitutions that give the delta rule, the gated delta rule and KDA.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
 from ._dplr import dplr_chunked, dplr_quadratic, dplr_recurrent, dplr_step
-from ._entry import check_log_decay, in_standard_layout, run_sequences
+from ._entry import check_log_decay, check_scale, in_standard_layout, run_sequences
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
-from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, is_array, is_tracer
+from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, is_array
 from ._prepare import finish
 from ._typing import Array
 from ._validation import (
@@ -34,19 +33,6 @@ __all__ = ["DPLR_METHODS", "dplr_delta_rule", "dplr_delta_rule_step"]
 DPLR_METHODS = ("chunked", "recurrent", "quadratic")
 
 _ANY = (-math.inf, math.inf)
-
-
-def _check_scale(scale: Any) -> float:
-    if is_tracer(scale):
-        raise TypeError(
-            "scale must be static under jax.jit: pass it in static_argnames or bind it with "
-            "functools.partial"
-        )
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
 
 
 def _check_vectors(inputs: AttentionInputs, x: Any, shape: tuple, name: str) -> Any:
@@ -190,7 +176,7 @@ def dplr_delta_rule(
     check_options(eps=DEFAULT_EPS, chunk_size=chunk_size)  # an Integral >= 1, not a tracer
     chunk_size = int(chunk_size)
     check_method(method, DPLR_METHODS)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     log_decay = in_standard_layout(layout, "log_decay", log_decay)
     xp = inputs.xp
     batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]
@@ -289,7 +275,7 @@ def dplr_delta_rule_step(
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
     xp = inputs.xp
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     a, b = (
         _check_vectors(inputs, x, (*batch, d_k), name) for name, x in (("a_t", a_t), ("b_t", b_t))
     )

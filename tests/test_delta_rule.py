@@ -454,7 +454,7 @@ def _bad(rng):
             TypeError,
             "initial_state has dtype float32 but inputs of dtype float64",
         ),
-        ({"method": "quadratic"}, ValueError, "method must be one of"),
+        ({"method": "parallel"}, ValueError, "method must be one of"),
         ({"chunk_size": 0}, ValueError, "chunk_size"),
         ({"attention_mask": np.ones((2, 4), bool)}, ValueError, "attention_mask"),
         ({"attention_mask": np.ones((2, 5))}, TypeError, "attention_mask must be boolean"),

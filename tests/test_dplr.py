@@ -354,13 +354,17 @@ def kda_reference(q, k, v, beta, log_decay):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_equals_kda(backend, rng, method):
-    """A gate per channel: keys beta k, a = exp(g) * k, b = -beta k."""
+    """A gate per channel: keys beta k, a = exp(g) * k, b = -beta k, against a KDA loop and
+    ``delta_rule_attention`` with the same per-channel gate."""
     q, k, v, beta, _ = _delta_inputs(rng)
     log_decay = -np.exp(rng.uniform(-3.0, 0.5, k.shape))
     want = kda_reference(q, k, v, beta, log_decay)
     ys = on(backend, q, beta * k, v, np.exp(log_decay) * k, -beta * k, log_decay)
     got = dplr_delta_rule(*ys[:5], log_decay=ys[5], method=method, chunk_size=CHUNK)
     close(backend, got, want)
+    xs = on(backend, q, k, v, beta, log_decay)  # the delta rule's own per-channel gate
+    kda = delta_rule_attention(*xs[:4], log_decay=xs[4], method=method, chunk_size=CHUNK)
+    close(backend, kda, want)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -592,3 +596,16 @@ def test_bad_step_input_names_the_argument(rng):
         dplr_delta_rule_step(q_t, k_t, v_t, a_t[:, :3], b_t)
     with pytest.raises(ValueError, match="log_decay must be a finite number"):
         dplr_delta_rule_step(q_t, k_t, v_t, a_t, b_t, log_decay=1.0)
+
+
+def test_benchmark_peer_agrees_and_inputs_are_rwkv7(rng):
+    """``benchmarks/dplr.py`` times fla's chunkwise form only after checking it against
+    polylin, on inputs in RWKV-7's ranges."""
+    torch = needs(Backend.TORCH)
+    _fla_naive()  # skips without fla-core
+    from benchmarks import dplr as bench
+
+    x = bench.rwkv7_inputs(64)
+    decay = torch.exp(x["log_decay"])
+    assert float(decay.min()) > math.exp(-math.exp(0.5)) and float(decay.max()) < 1.0
+    assert bench.check_peer(bench.fla_dplr_chunkwise(), {}) < 1e-5
