@@ -12,7 +12,14 @@ on a shared machine are noise; the implementations being compared are timed in a
 - forward at T = 4096: delta chunked / ``causal_linear_attention`` chunked (the price of the
   delta rule over plain linear attention), ungated and gated;
 - forward + backward (``out.sum().backward()``) of the chunked form: time(16k) / time(4k)
-  (4.0 is linear in T).
+  (4.0 is linear in T), for the scalar gate and the per-channel gate (KDA);
+- forward at T = 4096: KDA chunked / scalar-gated chunked (the price of one gate per channel);
+- ``--peers``: forward and forward + backward beside the pure-PyTorch chunked forms that models
+  ship (transformers' ``torch_chunk_gated_delta_rule`` and ``chunk_kimi_delta_attention``,
+  flash-linear-attention's ``naive_chunk_gated_delta_rule`` and ``naive_chunk_kda``), each
+  first checked against polylin on small inputs;
+- ``--memory``: peak resident memory of a forward + backward with grouped heads (G = 4: q and
+  k of ``(B, H, 1, T, d)``) against the same call with q and k repeated to ``(B, H, 4, T, d)``.
 
 Three clocks per call: wall, user CPU time and user + system CPU time of the process
 (``getrusage``). On a machine shared with other jobs, waiting for a core does not count on the CPU
@@ -31,6 +38,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,7 +57,8 @@ def inputs(length: int, *, grad: bool = False, seed: int = 0) -> dict[str, torch
     v = torch.randn(*shape, D, generator=g)
     beta = torch.sigmoid(torch.randn(*shape, 1, generator=g))
     log_decay = -torch.nn.functional.softplus(torch.randn(*shape, 1, generator=g)) / 16
-    out = {"q": q, "k": k, "v": v, "beta": beta, "log_decay": log_decay}
+    channels = -torch.nn.functional.softplus(torch.randn(*shape, D, generator=g)) / 16
+    out = {"q": q, "k": k, "v": v, "beta": beta, "log_decay": log_decay, "channels": channels}
     if grad:
         for x in out.values():
             x.requires_grad_(True)
@@ -84,7 +94,7 @@ def interleaved(calls: dict[str, Callable[[], object]], repeats: int) -> dict[st
 
 def forward(repeats: int, chunk: dict[str, int]) -> dict[str, float]:
     x = inputs(4096)
-    q, k, v, beta, g = x["q"], x["k"], x["v"], x["beta"], x["log_decay"]
+    q, k, v, beta, g, gc = (x[n] for n in ("q", "k", "v", "beta", "log_decay", "channels"))
     with torch.no_grad():
         fast = interleaved(
             {
@@ -92,6 +102,7 @@ def forward(repeats: int, chunk: dict[str, int]) -> dict[str, float]:
                 "gated_delta_chunked": lambda: delta_rule_attention(
                     q, k, v, beta, log_decay=g, **chunk
                 ),
+                "kda_chunked": lambda: delta_rule_attention(q, k, v, beta, log_decay=gc, **chunk),
                 "linear_chunked": lambda: causal_linear_attention(q, k, v),
             },
             repeats,
@@ -114,17 +125,184 @@ def forward_backward(repeats: int, chunk: dict[str, int]) -> dict[str, float]:
     calls = {}
     for length in (4096, 16384):
         x = inputs(length, grad=True)
+        for name, gate in (("gated_delta", "log_decay"), ("kda", "channels")):
 
-        def step(x: dict[str, torch.Tensor] = x) -> None:
-            out = delta_rule_attention(
-                x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"], **chunk
-            )
-            out.sum().backward()
-            for t in x.values():
-                t.grad = None
+            def step(x: dict[str, torch.Tensor] = x, gate: str = gate) -> None:
+                out = delta_rule_attention(
+                    x["q"], x["k"], x["v"], x["beta"], log_decay=x[gate], **chunk
+                )
+                out.sum().backward()
+                for t in x.values():
+                    t.grad = None
 
-        calls[f"gated_delta_fwd_bwd_{length}"] = step
+            calls[f"{name}_fwd_bwd_{length}"] = step
     return interleaved(calls, repeats)
+
+
+def _fla_naive(family: str) -> Any:
+    """flash-linear-attention's ``fla/ops/<family>/naive.py``, loaded from its file: the package
+    itself imports Triton, which has no CPU build here."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("fla (pip install fla-core) is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "ops" / family / "naive.py"
+    module_spec = importlib.util.spec_from_file_location(f"fla_{family}_naive", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _transformers(model: str, name: str) -> Callable[..., Any]:
+    """A pure-PyTorch function of transformers' model code (its own torch path: a hub or fla
+    kernel it may be wrapped with needs Triton)."""
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    fn = getattr(module, name)
+    return getattr(fn, "__wrapped__", fn)
+
+
+def _bthd(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T, ...)`` -> ``(B, T, H, ...)``, contiguous (the peers' layout)."""
+    return x.transpose(1, 2).contiguous()
+
+
+def peer_calls() -> tuple[dict[str, Callable[..., Any]], dict[str, str]]:
+    """The peers, each a function of polylin-layout ``(q, k, v, beta, g)`` in its own layout:
+    ``{name: fn}`` and ``{name: why skipped}``. Names end in ``_gdn`` (scalar gate, ``g`` of
+    ``(B, H, T, 1)``) or ``_kda`` (``g`` of ``(B, H, T, d)``); all use ``scale = d ** -0.5``."""
+    found: dict[str, Callable[..., Any]] = {}
+    skipped: dict[str, str] = {}
+    loaders: dict[str, Callable[[], Callable[..., Any]]] = {
+        "transformers_gdn": lambda: _transformers("qwen3_next", "torch_chunk_gated_delta_rule"),
+        "transformers_kda": lambda: _transformers("kimi_linear", "chunk_kimi_delta_attention"),
+        "fla_naive_gdn": lambda: _fla_naive("gated_delta_rule").naive_chunk_gated_delta_rule,
+        "fla_naive_kda": lambda: _fla_naive("kda").naive_chunk_kda,
+    }
+    for name, load in loaders.items():
+        try:
+            fn = load()
+        except ImportError as exc:
+            skipped[name] = str(exc)
+            continue
+        found[name] = fn
+    return found, skipped
+
+
+def peer(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """A peer as a function of ``(B, T, H, d)`` inputs, beta ``(B, T, H)`` and g ``(B, T, H)``
+    or ``(B, T, H, d)``, returning ``(B, T, H, d_v)`` (every peer takes ``(q, k, v, g, beta)``
+    and returns ``(out, state)``)."""
+    return lambda q, k, v, beta, g: fn(q, k, v, g, beta, chunk_size=64)[0]
+
+
+def peer_inputs(x: dict[str, torch.Tensor], kind: str) -> list[torch.Tensor]:
+    """The peers' layout of polylin's inputs: ``(B, T, H, d)``, beta and a scalar g
+    ``(B, T, H)``."""
+    g = x["channels"] if kind == "kda" else x["log_decay"][..., 0]
+    return [_bthd(t) for t in (x["q"], x["k"], x["v"], x["beta"][..., 0], g)]
+
+
+def check_peer(name: str, fn: Callable[..., torch.Tensor], length: int = 128) -> float:
+    """The largest difference between a peer and polylin (float32, unit keys; fla's KDA
+    reference needs T a multiple of its chunk): round-off only, or an AssertionError."""
+    x = inputs(length, seed=1)
+    kind = name.rsplit("_", 1)[1]
+    with torch.no_grad():
+        theirs = fn(*peer_inputs(x, kind))
+    q, k, v, beta = (x[n] for n in ("q", "k", "v", "beta"))
+    g = x["channels"] if kind == "kda" else x["log_decay"]
+    ours = delta_rule_attention(q, k, v, beta, log_decay=g, scale=D**-0.5)
+    error = (theirs - _bthd(ours)).abs().max().item()
+    if error > 1e-4:  # float32 round-off (outputs are of order 1)
+        raise AssertionError(f"{name} differs from polylin by {error}")
+    return error
+
+
+def peers(repeats: int, length: int = 4096) -> dict[str, Any]:
+    """Forward and forward + backward of polylin and each peer at ``length`` (seconds)."""
+    found, skipped = peer_calls()
+    x = inputs(length, grad=True)
+    calls: dict[str, Callable[[], object]] = {}
+    checked = {}
+    for kind, gate in (("gdn", "log_decay"), ("kda", "channels")):
+        ours = [x[n] for n in ("q", "k", "v", "beta", gate)]
+        candidates = {f"polylin_{kind}": (lambda *a: delta_rule_attention(
+            a[0], a[1], a[2], a[3], log_decay=a[4], scale=D**-0.5), ours)}  # fmt: skip
+        for name, fn in found.items():
+            if name.endswith(kind):
+                wrapped = peer(fn)
+                checked[name] = check_peer(name, wrapped)
+                theirs = [t.detach().requires_grad_(True) for t in peer_inputs(x, kind)]
+                candidates[name] = (wrapped, theirs)
+        for name, (fn, args) in candidates.items():
+
+            def fwd(fn: Callable[..., Any] = fn, args: list = args) -> None:
+                with torch.no_grad():
+                    fn(*args)
+
+            def fwd_bwd(fn: Callable[..., Any] = fn, args: list = args) -> None:
+                fn(*args).sum().backward()
+                for t in args:
+                    t.grad = None
+
+            calls[f"{name}_fwd"] = fwd
+            calls[f"{name}_fwd_bwd"] = fwd_bwd
+    return {"seconds": interleaved(calls, repeats), "skipped": skipped, "errors": checked}
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _memory_child(layout: str, length: int) -> None:
+    """One forward + backward of grouped heads (G = 4), q and k shared (``grouped``) or
+    repeated per value head (``repeated``); prints the peak resident set growth in bytes."""
+    torch.manual_seed(0)
+    groups = 4
+    shape = (BATCH, HEADS, 1, length, D)
+    q, k = torch.randn(shape), torch.nn.functional.normalize(torch.randn(shape), dim=-1)
+    if layout == "repeated":
+        q, k = (t.repeat(1, 1, groups, 1, 1) for t in (q, k))
+    lead = (BATCH, HEADS, groups, length)
+    v = torch.randn(*lead, D)
+    beta = torch.sigmoid(torch.randn(*lead, 1))
+    g = -torch.nn.functional.softplus(torch.randn(*lead, 1)) / 16
+    xs = [t.requires_grad_(True) for t in (q, k, v, beta, g)]
+
+    def call() -> None:
+        delta_rule_attention(*xs[:4], log_decay=xs[4]).sum().backward()
+        for t in xs:
+            t.grad = None
+
+    call()  # warm up
+    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark (Linux)
+    base = _status_kib("VmRSS")
+    call()
+    print((_status_kib("VmHWM") - base) * 1024)
+
+
+def peak_memory(length: int = 4096) -> dict[str, float]:
+    """Peak resident memory (MiB) of a grouped call and of the same call with q, k repeated."""
+    import subprocess
+
+    out: dict[str, float] = {}
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's polylin, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    for layout in ("grouped", "repeated"):
+        done = subprocess.run(
+            [sys.executable, __file__, "--memory-child", layout, str(length)],
+            capture_output=True, text=True, check=True, env=env,
+        )  # fmt: skip
+        out[f"{layout}_MiB"] = round(int(done.stdout.split()[-1]) / 2**20, 1)
+    out["grouped_over_repeated"] = round(out["grouped_MiB"] / out["repeated_MiB"], 3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,8 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-size", type=int, default=None, help="of the delta rule (default: the library's)"
     )
+    parser.add_argument("--peers", action="store_true", help="time the peers at T = 4096")
+    parser.add_argument("--memory", action="store_true", help="grouped vs repeated peak memory")
+    parser.add_argument("--memory-child", nargs=2, metavar=("LAYOUT", "T"), help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
+    if args.memory_child:
+        _memory_child(args.memory_child[0], int(args.memory_child[1]))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     chunk = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
@@ -151,14 +335,33 @@ def main(argv: list[str] | None = None) -> int:
             "gated_delta_chunked",
             "linear_chunked",
         ),
+        "KDA chunked / gated delta chunked (forward, T=4096)": (
+            "kda_chunked",
+            "gated_delta_chunked",
+        ),
         "fwd+bwd time(16k) / time(4k) (gated, chunked)": (
             "gated_delta_fwd_bwd_16384",
             "gated_delta_fwd_bwd_4096",
         ),
+        "fwd+bwd time(16k) / time(4k) (KDA, chunked)": ("kda_fwd_bwd_16384", "kda_fwd_bwd_4096"),
     }
+    extra: dict[str, Any] = {}
+    if args.peers:
+        result = peers(args.repeats)
+        times.update(result["seconds"])
+        extra["peers"] = {"skipped": result["skipped"], "max_error": result["errors"]}
+        for name in result["errors"]:
+            kind = name.rsplit("_", 1)[1]
+            for mode in ("fwd", "fwd_bwd"):
+                pairs[f"polylin / {name} ({mode.replace('_', '+')}, T=4096)"] = (
+                    f"polylin_{kind}_{mode}",
+                    f"{name}_{mode}",
+                )
     ratios = {
         name: {c: times[a][c] / times[b][c] for c in CLOCKS} for name, (a, b) in pairs.items()
     }
+    if args.memory:
+        extra["memory"] = peak_memory()
     load = os.getloadavg()
     meta = {
         "polylin": polylin.__version__,
@@ -171,16 +374,18 @@ def main(argv: list[str] | None = None) -> int:
         or inspect.signature(delta_rule_attention).parameters["chunk_size"].default,
         "repeats": args.repeats,
     }
-    print(f"{'ratio of medians':56s} " + " ".join(f"{c:>7s}" for c in CLOCKS))
+    print(f"{'ratio of medians':60s} " + " ".join(f"{c:>7s}" for c in CLOCKS))
     for name, value in ratios.items():
-        print(f"{name:56s} " + " ".join(f"{value[c]:7.2f}" for c in CLOCKS))
+        print(f"{name:60s} " + " ".join(f"{value[c]:7.2f}" for c in CLOCKS))
+    for name, value in extra.items():
+        print(f"{name}: {json.dumps(value)}")
     print(
         f"(delta rule chunk {meta['chunk_size']}, {meta['threads']} threads, "
         f"load average {meta['loadavg_1m']})"
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "seconds": times, "ratios": ratios}, f, indent=2)
+            json.dump({"meta": meta, "seconds": times, "ratios": ratios, **extra}, f, indent=2)
     return 0
 
 

@@ -85,13 +85,14 @@ def delta_rule_attention(
     cu_seqlens: Sequence[int] | None = None,
     seq_axis: int = DEFAULT_SEQ_AXIS,
 ) -> Array:
-    r"""The (gated) delta rule: ``S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T``.
+    r"""The (gated) delta rule: ``S_t = S'_t + beta_t k_t (v_t - S'_t^T k_t)^T``.
 
-    The output is ``o_t = S_t^T q_t`` and ``a_t = exp(log_decay_t)`` (1 without decay:
-    DeltaNet; with decay: Gated DeltaNet). Each token reads what the state recalls for its key
-    and writes only the correction, scaled by the learning rate ``beta_t``. There is no feature
-    map and no normalizer: ``q`` and ``k`` are used as given, usually L2-normalized (see the
-    docs page "The delta rule"). Both methods compute the same function (to round-off).
+    ``S'_t = diag(exp(log_decay_t)) S_{t-1}`` (``S_{t-1}`` without decay: DeltaNet; a gate per
+    token: Gated DeltaNet; a gate per key channel: Kimi Delta Attention) and the output is
+    ``o_t = scale * S_t^T q_t``. Each token reads what the state recalls for its key and writes
+    only the correction, scaled by the learning rate ``beta_t``. There is no feature map and no
+    normalizer: ``q`` and ``k`` are used as given, or L2-normalized with ``qk_l2norm`` (see the
+    docs page "The delta rule"). Every method computes the same function (to round-off).
 
     Parameters
     ----------
@@ -99,19 +100,31 @@ def delta_rule_attention(
         Queries and keys, shape ``(..., T, d_k)``, any number of leading batch/head dimensions.
         Keep ``beta_t * |k_t|^2 <= 2`` (e.g. unit keys), or the recurrence itself is unstable.
     v : array
-        Values, shape ``(..., T, d_v)``, the same leading dimensions and dtype.
+        Values, shape ``(..., T, d_v)``, the same dtype. The leading dimensions of ``q``, ``k``,
+        ``v`` (and of ``beta``, ``log_decay``, the mask and the state) broadcast: grouped heads
+        are ``q, k`` of ``(B, H, 1, T, d_k)`` and ``v`` of ``(B, H, G, T, d_v)``, computed
+        without copying ``q`` or ``k`` per group.
     beta : float or array
         The learning rate per token: a Python float in ``[0, 2]`` (usually in ``(0, 1]``) or an
         array of the dtype of ``q`` broadcastable to ``(..., T, 1)``.
     log_decay : float or array, optional
-        ``log a_t <= 0``: ``None`` (no decay), a Python float, or an array of the dtype of ``q``
-        broadcastable to ``(..., T, 1)`` (one decay per token, e.g. ``-softplus(x)``). Values
-        above 0 are taken as 0 (a decay never amplifies the state).
-    method : {"chunked", "recurrent"}
+        The log decay ``g_t <= 0``: ``None`` (no decay), a Python float, or an array of the
+        dtype of ``q`` broadcastable to ``(..., T, 1)`` (one gate per token, e.g.
+        ``-softplus(x)``) or to ``(..., T, d_k)`` (one gate per key channel). Values above 0
+        are taken as 0 (a decay never amplifies the state); ``-inf`` resets the state.
+    scale : float
+        Multiplies the (normalized) queries: ``o_t = scale * S_t^T q_t`` (models use
+        ``d_k ** -0.5``). A finite real number.
+    qk_l2norm : bool
+        Normalize ``q`` and ``k`` inside the call, ``x / sqrt(sum(x^2) + 1e-6)``
+        (flash-linear-attention's ``use_qk_l2norm_in_kernel``), differentiably.
+    method : {"chunked", "recurrent", "quadratic"}
         ``"chunked"``: the parallel chunkwise (WY) form, O(T C d + T d_k d_v) in batched
-        matmuls. ``"recurrent"``: one state update per token (the reference).
+        matmuls. ``"recurrent"``: one state update per token (the reference for the state).
+        ``"quadratic"``: the exact masked parallel form, O(T^2 d_k) time and memory.
     chunk_size : int
-        Chunk length C of the chunked form (T need not be a multiple of it).
+        Chunk length C of the chunked form (T need not be a multiple of it); rounded up to a
+        power of two.
     initial_state : array, optional
         The state ``S`` to continue from, shape ``(..., d_k, d_v)``; one returned by either
         method. With ``cu_seqlens`` there is one per sequence: ``(..., N, d_k, d_v)``.
@@ -141,10 +154,11 @@ def delta_rule_attention(
     ------
     TypeError
         Arrays from different libraries, non-floating dtypes, ``beta``/``log_decay`` of another
-        dtype than ``q``, a state that is not one array.
+        dtype than ``q``, a state that is not one array, ``scale`` not a real number,
+        ``qk_l2norm`` not a bool.
     ValueError
         Mismatched shapes or devices, an unknown method, ``chunk_size < 1``, a float ``beta``
-        outside ``[0, 2]`` or ``log_decay > 0``.
+        outside ``[0, 2]`` or ``log_decay > 0``, a non-finite ``scale``.
 
     Examples
     --------
@@ -235,8 +249,13 @@ def delta_rule_step(
     state : array, optional
         The state ``S`` before this token, shape ``(..., d_k, d_v)``; ``None`` starts from zeros.
     log_decay : float or array, optional
-        ``log a_t <= 0`` of this token: ``None``, a Python float, or an array broadcastable to
-        ``(..., 1)``; values above 0 are taken as 0.
+        ``g_t <= 0`` of this token: ``None``, a Python float, or an array broadcastable to
+        ``(..., 1)`` (one gate) or ``(..., d_k)`` (one per key channel); values above 0 are
+        taken as 0, ``-inf`` resets the state.
+    scale : float
+        Multiplies the (normalized) query: ``o_t = scale * S_t^T q_t``.
+    qk_l2norm : bool
+        Normalize ``q_t`` and ``k_t`` as ``x / sqrt(sum(x^2) + 1e-6)`` first.
 
     Returns
     -------
@@ -248,9 +267,11 @@ def delta_rule_step(
     Raises
     ------
     TypeError
-        Arrays from different libraries, non-floating dtypes, a state that is not one array.
+        Arrays from different libraries, non-floating dtypes, a state that is not one array,
+        ``scale`` not a real number, ``qk_l2norm`` not a bool.
     ValueError
-        Mismatched shapes or devices, a float ``beta_t`` outside ``[0, 2]``, ``log_decay > 0``.
+        Mismatched shapes or devices, a float ``beta_t`` outside ``[0, 2]``, ``log_decay > 0``,
+        a non-finite ``scale``.
 
     Examples
     --------

@@ -114,6 +114,12 @@ if hasattr(polylin, "delta_rule_attention"):
         qn, kn = (t / t.norm(dim=-1, keepdim=True) for t in (q, k))
         fn, args, kwargs = polylin.delta_rule_attention, (qn, kn, v, beta), {}
     """
+    EXPLAIN_CASES["delta_rule_attention KDA, grouped, scale, qk_l2norm"] = """
+        beta = torch.rand(2, 4, 2, 37, 1)
+        g = -torch.rand(2, 4, 2, 37, 8)
+        fn, args = polylin.delta_rule_attention, (q[:, :, None], k[:, :, None], v[:, :, None], beta)
+        kwargs = dict(log_decay=g, scale=0.5, qk_l2norm=True)
+    """
 
 
 if hasattr(polylin, "dplr_delta_rule"):
@@ -179,6 +185,29 @@ def test_compiled_forward_and_gradients_match_eager(torch, method: str) -> None:
     np.testing.assert_allclose(out.detach().numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("gate", ["token", "channel"])
+def test_compiled_delta_rule_matches_eager(torch, gate: str) -> None:
+    """The gated delta rule with grouped heads, scale and qk_l2norm under ``fullgraph=True``:
+    values and gradients wrt every input agree with eager."""
+    compiled = torch.compile(
+        polylin.delta_rule_attention, fullgraph=True, backend="aot_eager", dynamic=False
+    )
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 1, 37, 8, generator=gen) for _ in range(2))
+    v = torch.randn(2, 3, 2, 37, 8, generator=gen)
+    beta = torch.rand(2, 3, 2, 37, 1, generator=gen)
+    g = -torch.rand(2, 3, 2, 37, 8 if gate == "channel" else 1, generator=gen)
+    xs = [x.requires_grad_(True) for x in (q, k, v, beta, g)]
+    options = dict(scale=0.5, qk_l2norm=True, chunk_size=16)
+    out = compiled(*xs[:4], log_decay=xs[4], **options)
+    grads = torch.autograd.grad(out.square().sum(), xs)
+    ref = polylin.delta_rule_attention(*xs[:4], log_decay=xs[4], **options)
+    ref_grads = torch.autograd.grad(ref.square().sum(), xs)
+    np.testing.assert_allclose(out.detach().numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for g_, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g_.numpy(), r.numpy(), rtol=1e-4, atol=1e-5)
 
 
 def test_inductor_compiles_and_matches_eager(torch) -> None:

@@ -1,0 +1,39 @@
+"""benchmarks/delta_rule.py: its peers compute polylin's function, its sections run small."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import delta_rule  # noqa: E402
+
+PEERS = ["transformers_gdn", "transformers_kda", "fla_naive_gdn", "fla_naive_kda"]
+
+
+@pytest.mark.parametrize("name", PEERS)
+def test_each_peer_equals_polylin(name):
+    """transformers' and fla's pure-PyTorch chunked forms (scale d ** -0.5, layout (B, T, H, d))
+    give polylin's output to float32 round-off, for a scalar gate (GDN) and per channel (KDA)."""
+    found, skipped = delta_rule.peer_calls()
+    if name not in found:
+        pytest.skip(f"{name}: {skipped[name]}")
+    assert delta_rule.check_peer(name, delta_rule.peer(found[name])) < 1e-5
+
+
+def test_a_wrong_peer_is_refused():
+    def wrong(q, k, v, g, beta, chunk_size):
+        return v, None
+
+    with pytest.raises(AssertionError, match="differs from polylin"):
+        delta_rule.check_peer("wrong_kda", delta_rule.peer(wrong))
+
+
+def test_peak_memory_runs_small():
+    out = delta_rule.peak_memory(length=256)
+    assert set(out) == {"grouped_MiB", "repeated_MiB", "grouped_over_repeated"}
+    assert out["repeated_MiB"] > 0
