@@ -91,8 +91,8 @@ def check_log_decay(
             shape = (*shape[:-1], channels)
         elif width != 1:
             raise ValueError(
-                f"{name} must have a last axis of 1 (one decay per token) or d_k={channels} "
-                f"(one per key channel), got shape {tuple(log_decay.shape)}"
+                f"{name} must broadcast to a last axis of 1 (one decay per token) or "
+                f"d_k={channels} (one per key channel), got shape {tuple(log_decay.shape)}"
             )
     per = "token" if shape[-1] == 1 else "key channel"
     g = check_coefficient(inputs, log_decay, shape, name=name, bounds=LOG_DECAY_BOUNDS, per=per)

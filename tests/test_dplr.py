@@ -564,7 +564,7 @@ def test_bfloat16_accumulates_in_float32(rng):
         ({"a": np.ones((2, 5, 5))}, ValueError, r"a must broadcast to \(2, 5, 6\)"),
         ({"b": np.ones((2, 5, 6), np.float32)}, TypeError, "b has dtype float32"),
         ({"log_decay": 0.1}, ValueError, "log_decay must be a finite number in"),
-        ({"log_decay": np.zeros((2, 5, 3))}, ValueError, r"last axis of 1 .* or d_k=6"),
+        ({"log_decay": np.zeros((2, 5, 3))}, ValueError, r"log_decay must broadcast to a last axis of 1 .* or d_k=6"),
         ({"log_decay": np.zeros((2, 4, 6))}, ValueError, "log_decay must broadcast"),
         ({"scale": "1"}, TypeError, "scale must be a real number"),
         ({"scale": math.inf}, ValueError, "scale must be finite"),
