@@ -29,7 +29,7 @@ from polylin import (
 from polylin.feature_maps import identity
 from polylin.testing import Backend
 
-from .conftest import BACKENDS
+from .test_delta_rule import needs, unit
 
 LEAD, T, D_K, D_V, CHUNK = (2, 3), 13, 6, 5, 4  # T not a multiple of the chunk size
 ATOL64 = 1e-10
@@ -71,10 +71,6 @@ def reference(q, k, v, a, b, log_decay=None, *, state=None, mask=None, scale=1.0
     return outputs, S
 
 
-def unit(x):
-    return x / np.linalg.norm(x, axis=-1, keepdims=True)
-
-
 def make_inputs(rng, lead=LEAD, length=T, d_k=D_K, d_v=D_V, decay="per_channel"):
     """RWKV-7-like inputs: ``a = -kk``, ``b = kk * a_lr``; decays in ``(exp(-exp(0.5)), 1)``."""
     q = rng.standard_normal((*lead, length, d_k))
@@ -88,16 +84,6 @@ def make_inputs(rng, lead=LEAD, length=T, d_k=D_K, d_v=D_V, decay="per_channel")
         "float": -0.2,
     }.get(decay, None if width is None else -np.exp(rng.uniform(-3.0, 0.5, (*lead, length, width))))
     return q, k, v, -kk, kk * a_lr, log_decay
-
-
-def needs(backend):
-    """The library module of ``backend``; skip unless it is selected and usable here."""
-    if backend not in BACKENDS:
-        pytest.skip(f"[{backend}] not selected in POLYLIN_BACKENDS")
-    reason = backend.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"[{backend}] {reason}")
-    return backend.module()
 
 
 def on(backend, *arrays):
@@ -564,7 +550,11 @@ def test_bfloat16_accumulates_in_float32(rng):
         ({"a": np.ones((2, 5, 5))}, ValueError, r"a must broadcast to \(2, 5, 6\)"),
         ({"b": np.ones((2, 5, 6), np.float32)}, TypeError, "b has dtype float32"),
         ({"log_decay": 0.1}, ValueError, "log_decay must be a finite number in"),
-        ({"log_decay": np.zeros((2, 5, 3))}, ValueError, r"log_decay must broadcast to a last axis of 1 .* or d_k=6"),
+        (
+            {"log_decay": np.zeros((2, 5, 3))},
+            ValueError,
+            r"log_decay must broadcast to a last axis of 1 .* or d_k=6",
+        ),
         ({"log_decay": np.zeros((2, 4, 6))}, ValueError, "log_decay must broadcast"),
         ({"scale": "1"}, TypeError, "scale must be a real number"),
         ({"scale": math.inf}, ValueError, "scale must be finite"),
