@@ -97,7 +97,7 @@ numpydoc_validation_overrides = {
     "PR01": r"^The array libraries \(and devices\) polylin is tested on",
 }
 numpydoc_validation_exclude = {
-    r"^polylin\.(DELTA_)?METHODS$",
+    r"^polylin\.(DELTA_|DPLR_)?METHODS$",
     r"^polylin\.feature_maps\.[A-Z][A-Z0-9_]*$",
     r"^polylin\.LinearAttentionState\.\w+$",
     r"^polylin\.testing\.Backend\.\w+$",

@@ -16,12 +16,14 @@ from .attention import (
 from .convolution import causal_conv1d, causal_conv1d_step
 from .decoding import step
 from .delta_rule import DELTA_METHODS, delta_rule_attention, delta_rule_step
+from .dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step
 from .normalization import rms_norm
 
 __version__ = "0.2.0"
 
 __all__ = [
     "DELTA_METHODS",
+    "DPLR_METHODS",
     "METHODS",
     "LinearAttentionState",
     "__version__",
@@ -31,6 +33,8 @@ __all__ = [
     "causal_linear_attention",
     "delta_rule_attention",
     "delta_rule_step",
+    "dplr_delta_rule",
+    "dplr_delta_rule_step",
     "feature_maps",
     "linear_attention",
     "masked_kernel_attention",

@@ -26,6 +26,14 @@ The same levels serve the delta rule's unit lower-triangular inverse ``(I - L)^{
 lower-left quadrant. That is exact triangular inversion (not a truncated series), log-depth,
 one batched computation per level over all blocks of all chunks, with no C x C matrix sliced.
 
+A row set may also *read before its own token's decay* (the generalized delta rule's low-rank
+read ``a_t^T S_{t-1}``): kinds ``"read scores"`` and ``"read solve"`` give the strictly lower
+``N_ts = sum_c r_tc k_sc exp(sum_{s<r'<t} g_r'c)`` (``s < t``) and ``(I - N)^{-1}``. The same
+levels build them: such rows are simply not decayed by their own token at the first level, so
+a row's factor runs from the start of its stretch to ``t`` exclusive (still a product of
+per-token factors <= 1), and after the last level it is ``r_t exp(b_t - g_t)``, the decay from
+the chunk start to ``t`` exclusive.
+
 A scalar gate factors its scores over the chunk: ``(R K^T) * exp(segment sums)``
 (:func:`scalar_gate_scores`), one full matmul and no levels.
 """
@@ -47,8 +55,11 @@ __all__ = [
     "unit_lower_inverse",
 ]
 
-#: The kinds of matrix :func:`intra_chunk` builds from a set of rows.
+#: The kinds of matrix :func:`intra_chunk` builds from a set of rows; the ``READ_`` kinds' rows
+#: read before their own token's decay (module docstring).
 SCORES, SOLVE = "scores", "solve"
+READ_SCORES, READ_SOLVE = "read scores", "read solve"
+_READS = (READ_SCORES, READ_SOLVE)
 
 
 class IntraChunk(NamedTuple):
@@ -56,6 +67,7 @@ class IntraChunk(NamedTuple):
 
     matrices: list[Any]  # per row set, (..., C, C): M with its diagonal, or (I - strict M)^-1
     rows: list[Any]  # per row set, (..., C, d): r_t exp(b_t), decayed from the chunk start
+    # (the READ_ kinds: r_t exp(b_t - g_t), to t exclusive)
     keys: Any  # (..., C, d): k_s exp(B - b_s), decayed to the chunk end
     whole: Any | None  # (..., 1, w): exp(B), the decay of the whole chunk (None: no gate)
 
@@ -136,7 +148,9 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]])
     (``w`` 1 or ``d``; ``None``: no decay), each entry of ``rows`` an ``(R, kind)`` with ``R``
     ``(..., C, d)``; the leading dimensions broadcast. ``kind`` is ``"scores"`` for ``M`` with
     its diagonal (0 above it) or ``"solve"`` for the unit lower-triangular ``(I - L)^{-1}``,
-    ``L`` the strictly lower part of ``M`` (pass negated rows for ``(I + L)^{-1}``).
+    ``L`` the strictly lower part of ``M`` (pass negated rows for ``(I + L)^{-1}``);
+    ``"read scores"`` and ``"read solve"`` the same for rows that read before their own token's
+    decay: the strictly lower ``N`` and ``(I - N)^{-1}`` (module docstring).
 
     Each level costs one batched matmul per row set and ``O(d)`` products per token per row
     set for a per-channel gate (``O(h)`` per token for a scalar one); the 1 x 1 corners of the
@@ -150,12 +164,21 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]])
     # A scalar gate keeps its factors apart, (..., C, 1) for the rows and the keys, and scales
     # each h x h corner by their outer product: h^2 products per block instead of 2 h d.
     scalar = whole is not None and whole.shape[-1] == 1
-    row_factor, key_factor = whole, None
+    # Rows that read before their own token's decay start undecayed: their factor (None: ones)
+    # runs from the start of their stretch to t exclusive.
+    row_factor, key_factor, read_factor = whole, None, None
+    reading = any(kind in _READS for kind in kinds)
     if whole is not None and not scalar:
-        decayed = [R * whole for R in decayed]
+        decayed = [R if kind in _READS else R * whole for R, kind in rows]
     matrices: list[Any] = []
-    for R, kind in rows:  # s = t: undecayed
-        matrices.append(xp.sum(R * K, axis=-1)[..., None, None] if kind == SCORES else None)
+    for R, kind in rows:  # s = t: undecayed (a read does not see its own token's write)
+        if kind == SCORES:
+            matrices.append(xp.sum(R * K, axis=-1)[..., None, None])
+        elif kind == READ_SCORES:
+            shape = (*_shape(R, K), 1, 1)
+            matrices.append(xp.zeros(shape, dtype=K.dtype, device=device(K)))
+        else:
+            matrices.append(None)
     h = 1
     while h < chunk:
         pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
@@ -163,20 +186,26 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]])
         halves = [unstack(xp, _halves(xp, R, pairs), axis=-3) for R in decayed]
         if scalar:
             _, low_f = unstack(xp, _halves(xp, row_factor, pairs), axis=-3)
+            up_kf = None
             if key_factor is None:
                 outer = low_f
             else:
-                up_f, _ = unstack(xp, _halves(xp, key_factor, pairs), axis=-3)
-                outer = low_f * xp.matrix_transpose(up_f)
+                up_kf, _ = unstack(xp, _halves(xp, key_factor, pairs), axis=-3)
+                outer = low_f * xp.matrix_transpose(up_kf)
+            outer_read = None if up_kf is None else xp.matrix_transpose(up_kf)
+            if reading and read_factor is not None:
+                _, low_rf = unstack(xp, _halves(xp, read_factor, pairs), axis=-3)
+                outer_read = low_rf if outer_read is None else low_rf * outer_read
         for i, (kind, (_, lower_r)) in enumerate(zip(kinds, halves)):
             if h == 1:
                 corner = xp.sum(lower_r * upper_k, axis=-1)[..., None]
             else:
                 corner = matmul(xp, lower_r, xp.matrix_transpose(upper_k))  # t lower, s upper
             if scalar:
-                corner = corner * outer
+                factor = outer_read if kind in _READS else outer
+                corner = corner if factor is None else corner * factor
             M = matrices[i]
-            if kind == SCORES:
+            if kind in (SCORES, READ_SCORES):
                 upper, lower = unstack(xp, xp.reshape(M, (*M.shape[:-3], pairs, 2, h, h)), axis=-3)
                 matrices[i] = _merge(xp, upper, corner, lower, xp.zeros_like(upper))
             elif M is None:  # the 2 x 2 inverses [[1, 0], [l, 1]]
@@ -200,13 +229,21 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]])
                 else:
                     up_f, low_f = unstack(xp, _halves(xp, key_factor, pairs), axis=-3)
                     key_factor = _joined(xp, up_f * second, low_f)
+                if not reading:
+                    pass
+                elif read_factor is None:
+                    read_factor = _joined(xp, xp.ones_like(first), first)
+                else:
+                    up_f, low_f = unstack(xp, _halves(xp, read_factor, pairs), axis=-3)
+                    read_factor = _joined(xp, up_f, low_f * first)
             else:
                 decayed = [_joined(xp, up, low * first) for up, low in halves]
                 keys = _joined(xp, upper_k * second, lower_k)
             whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
     if scalar:
-        decayed = [R * row_factor for R in decayed]
+        factors = [read_factor if kind in _READS else row_factor for kind in kinds]
+        decayed = [R if f is None else R * f for R, f in zip(decayed, factors)]
         keys = K if key_factor is None else K * key_factor
     matrices = [
         xp.ones((*_shape(R, K), 1, 1), dtype=K.dtype, device=device(K)) if M is None else M

@@ -460,11 +460,13 @@ def check_coefficient(
     *,
     name: str,
     bounds: tuple[float, float],
+    per: str = "token",
 ) -> Any:
     """A per-token scalar (a learning rate, a log decay) as an array of ``shape`` (work dtype).
 
     ``x`` is a Python real number, which must lie in ``bounds`` (inclusive), or an array of the
-    library, device and dtype of ``q`` that broadcasts to ``shape`` (whose last axis is 1).
+    library, device and dtype of ``q`` that broadcasts to ``shape`` (whose last axis is 1, or
+    the number of key channels for a coefficient ``per="key channel"``).
     Array values are not checked: that would read data (lazy and accelerator backends).
     """
     xp = inputs.xp
@@ -487,7 +489,8 @@ def check_coefficient(
         m in (1, f) for m, f in zip(reversed(got), reversed(shape))
     ):
         raise ValueError(
-            f"{name} must broadcast to {shape} (one value per token: last axis 1), got {got}"
+            f"{name} must broadcast to {shape} (one value per {per}: last axis {shape[-1]}), "
+            f"got {got}"
         )
     return xp.broadcast_to(inputs.to_work_dtype(x), shape)
 

@@ -7,31 +7,24 @@ old value instead of piling up. See ``docs/delta_rule.md`` for the math and the 
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Sequence
-from itertools import pairwise
-from numbers import Real
 from typing import Any
 
 from ._delta import delta_chunked, delta_recurrent, delta_step
 from ._delta_quadratic import delta_quadratic
-from ._layout import DEFAULT_SEQ_AXIS, SequenceLayout, standard_layout
+from ._entry import check_log_decay, check_scale, in_standard_layout, run_sequences
+from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._ops import l2_normalize
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._prepare import finish
 from ._typing import Array
 from ._validation import (
-    AttentionInputs,
     check_coefficient,
-    check_cu_seqlens,
-    check_mask,
     check_matrix_state,
     check_method,
     check_options,
     check_qkv,
 )
-from ._varlen import length_mask, pack, unpack
 
 __all__ = ["DELTA_METHODS", "delta_rule_attention", "delta_rule_step"]
 
@@ -41,76 +34,37 @@ DELTA_METHODS = ("chunked", "recurrent", "quadratic")
 #: Python-float ``beta`` must lie here: for a unit key each step then shrinks the state
 #: (eigenvalue ``1 - beta`` along the key), the condition for a stable recurrence.
 _BETA_BOUNDS = (0.0, 2.0)
-_LOG_DECAY_BOUNDS = (-math.inf, 0.0)
-
-
-def _in_standard_layout(layout: SequenceLayout, name: str, x: Any) -> Any:
-    """A per-token array given in the inputs' layout, with its time axis moved to -2.
-
-    With a non-default ``seq_axis`` the array must have the rank of ``q`` (size-1 axes
-    broadcast): a lower rank would not say which axis is T.
-    """
-    if layout.is_standard or x is None or isinstance(x, (int, float)):
-        return x
-    return layout.to_standard(**{name: x})[0]
-
-
-def _log_decay(inputs: AttentionInputs, log_decay: Any, shape: tuple, d_k: int) -> Any | None:
-    """``log_decay`` as ``shape`` (a trailing 1: one gate per token) or with a trailing ``d_k``
-    (one gate per key channel) when the array's last axis is ``d_k``."""
-    if log_decay is None:
-        return None
-    shape_of: tuple = tuple(getattr(log_decay, "shape", ()))
-    if len(shape_of) >= 1 and shape_of[-1] == d_k != 1:
-        shape = (*shape[:-1], d_k)
-    g = check_coefficient(inputs, log_decay, shape, name="log_decay", bounds=_LOG_DECAY_BOUNDS)
-    # A decay never amplifies: this keeps every exponential the algorithms form <= 1. A
-    # selection rather than ``minimum``, whose gradient is halved where ``g == 0`` on PyTorch.
-    return inputs.xp.where(g > 0.0, 0.0, g)
 
 
 def _check_scale_and_norm(scale: Any, qk_l2norm: Any) -> float:
     """``scale`` must be a finite real number, ``qk_l2norm`` a bool; returns ``float(scale)``."""
-    if isinstance(scale, bool) or not isinstance(scale, Real):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    scale = check_scale(scale)
     if not isinstance(qk_l2norm, bool):
         raise TypeError(f"qk_l2norm must be True or False, got {type(qk_l2norm).__name__}")
-    return float(scale)
+    return scale
 
 
-def _run(
-    xp: Any,
-    arrays: list[Any],
-    S: Any,
-    keep: Any | None,
-    *,
-    method: str,
-    chunk_size: int,
-    scale: float,
-    qk_l2norm: bool,
-) -> tuple[Any, Any]:
-    """Mask by selection, run one algorithm, scale and zero the masked outputs."""
-    q, k, v, beta, *rest = arrays
-    g = rest[0] if rest else None
-    if keep is not None:
-        # Selection, not multiplication: padding may hold NaN. A masked token has beta = 0
-        # (writes nothing) and log decay 0 (does not decay the state).
-        q, k, v, beta = (xp.where(keep, x, 0.0) for x in (q, k, v, beta))
-        g = None if g is None else xp.where(keep, g, 0.0)
-    if method == "chunked":  # normalizes q and k block by block (delta_chunked)
-        out, S = delta_chunked(xp, q, k, v, beta, g, S, chunk_size=chunk_size, qk_l2norm=qk_l2norm)
-    else:
-        if qk_l2norm:
-            q, k = l2_normalize(xp, q), l2_normalize(xp, k)
-        form = delta_recurrent if method == "recurrent" else delta_quadratic
-        out, S = form(xp, q, k, v, beta, g, S)
-    if scale != 1.0:  # o_t = S_t^T (scale q_t) = scale (S_t^T q_t); the state is unchanged
-        out = out * scale
-    if keep is not None:
-        out = xp.where(keep, out, 0.0)
-    return out, S
+def _algorithm(xp: Any, *, method: str, chunk_size: int, scale: float, qk_l2norm: bool) -> Any:
+    """The form that ``method`` names, on the arrays ``[q, k, v, beta(, log_decay)]``, its
+    output scaled."""
+
+    def algorithm(arrays: list[Any], S: Any) -> tuple[Any, Any]:
+        q, k, v, beta, *rest = arrays
+        g = rest[0] if rest else None
+        if method == "chunked":  # normalizes q and k block by block (delta_chunked)
+            out, S = delta_chunked(
+                xp, q, k, v, beta, g, S, chunk_size=chunk_size, qk_l2norm=qk_l2norm
+            )
+        else:
+            if qk_l2norm:
+                q, k = l2_normalize(xp, q), l2_normalize(xp, k)
+            form = delta_recurrent if method == "recurrent" else delta_quadratic
+            out, S = form(xp, q, k, v, beta, g, S)
+        if scale != 1.0:  # o_t = S_t^T (scale q_t) = scale (S_t^T q_t); the state is unchanged
+            out = out * scale
+        return out, S
+
+    return algorithm
 
 
 def delta_rule_attention(
@@ -237,43 +191,33 @@ def delta_rule_attention(
     chunk_size = int(chunk_size)
     check_method(method, DELTA_METHODS)
     scale = _check_scale_and_norm(scale, qk_l2norm)
-    beta = _in_standard_layout(layout, "beta", beta)
-    log_decay = _in_standard_layout(layout, "log_decay", log_decay)
+    beta = in_standard_layout(layout, "beta", beta)
+    log_decay = in_standard_layout(layout, "log_decay", log_decay)
     xp = inputs.xp
     batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]
     per_token = (*batch, T, 1)
     arrays = [inputs.to_work_dtype(x) for x in (q, k, v)]
     arrays.append(check_coefficient(inputs, beta, per_token, name="beta", bounds=_BETA_BOUNDS))
-    g = _log_decay(inputs, log_decay, per_token, d_k)
+    g = check_log_decay(inputs, log_decay, per_token, channels=d_k)
     if g is not None:
         arrays.append(g)
-    run = functools.partial(
-        _run, method=method, chunk_size=chunk_size, scale=scale, qk_l2norm=qk_l2norm
+    # A masked token has every input selected to 0: beta = 0 (it writes nothing) and log decay
+    # 0 (it does not decay the state).
+    algorithm = _algorithm(
+        xp, method=method, chunk_size=chunk_size, scale=scale, qk_l2norm=qk_l2norm
     )
-    if cu_seqlens is not None:
-        if attention_mask is not None:
-            raise ValueError("pass attention_mask or cu_seqlens, not both")
-        offsets = check_cu_seqlens(cu_seqlens, T)
-        n_seqs = len(offsets) - 1
-        max_len = max(b - a for a, b in pairwise(offsets))
-        S = check_matrix_state(
-            inputs, initial_state, (*batch, n_seqs, d_k, d_v), name="initial_state"
-        )
-        keep = length_mask(xp, offsets, max_len, inputs.device)[..., None]
-        packed = [pack(xp, x, offsets, max_len) for x in arrays]
-        out, S = run(xp, packed, S, keep)
-        out = unpack(xp, out, offsets)
-    else:
-        S = check_matrix_state(inputs, initial_state, (*batch, d_k, d_v), name="initial_state")
-        keep = None
-        if attention_mask is not None:
-            mask = check_mask(inputs, attention_mask, T, layout)
-            keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
-        out, S = run(xp, arrays, S, keep)
-    if T == 0 and initial_state is not None:  # never hand back the caller's own array
-        S = xp.asarray(S, copy=True)
-    out = layout.restore(finish(inputs, out, None))
-    return (out, S) if return_state else out
+    return run_sequences(
+        inputs,
+        layout,
+        arrays,
+        algorithm,
+        length=T,
+        state_shape=(d_k, d_v),
+        initial_state=initial_state,
+        attention_mask=attention_mask,
+        cu_seqlens=cu_seqlens,
+        return_state=return_state,
+    )
 
 
 def delta_rule_step(
@@ -349,7 +293,7 @@ def delta_rule_step(
     xp = inputs.xp
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
     beta = check_coefficient(inputs, beta_t, (*batch, 1), name="beta_t", bounds=_BETA_BOUNDS)
-    g = _log_decay(inputs, log_decay, (*batch, 1), d_k)
+    g = check_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
     scale = _check_scale_and_norm(scale, qk_l2norm)
     S = check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
     q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))

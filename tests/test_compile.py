@@ -140,6 +140,15 @@ for _layer, _options in (
     """
 
 
+if hasattr(polylin, "dplr_delta_rule"):
+    EXPLAIN_CASES["dplr_delta_rule, per-channel decay"] = """
+        kk = k / k.norm(dim=-1, keepdim=True)
+        log_w = -torch.exp(torch.rand(2, 4, 37, 8) - 2)
+        fn, args = polylin.dplr_delta_rule, (q, k, v, -kk, kk * torch.rand(2, 4, 37, 8))
+        kwargs = dict(log_decay=log_w, chunk_size=16)
+    """
+
+
 @pytest.fixture(scope="module")
 def explained(torch) -> dict:
     """``torch._dynamo.explain`` of every case, run in one fresh interpreter."""

@@ -1,0 +1,216 @@
+"""The generalized delta rule (diagonal plus low rank): recurrent, quadratic and chunked forms.
+
+For token t, with ``g_t`` a log decay per key channel (or one per token, or none)::
+
+    S_t = diag(exp(g_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T        S: (d_k, d_v)
+    o_t = S_t^T q_t
+
+(the caller scales ``q``). The low-rank term reads the state *before* token t's decay. Writing
+``r_t = S_{t-1}^T a_t`` (the read, a ``d_v`` vector), every form solves the same equations
+(derived in ``docs/dplr.md``): from a state ``S`` at the start of a stretch of tokens, with
+``E_ts = exp(sum_{s<r<=t} g_r)`` (the decay from s, exclusive, to t, inclusive) and
+``F_ts = exp(sum_{s<r<t} g_r)`` (to t, exclusive)::
+
+    r_t = (a_t * F_t0) . S + sum_{s<t} (a_t . k_s)_F v_s + sum_{s<t} (a_t . b_s)_F r_s
+    o_t = (q_t * E_t0) . S + sum_{s<=t} (q_t . k_s)_E v_s + sum_{s<=t} (q_t . b_s)_E r_s
+
+where ``(x . y)_E = sum_c x_c y_c E_tsc``: four matrices of decayed inner products and a unit
+lower-triangular system ``(I - L) R = ...`` with ``L_ts = (a_t . b_s)_F``. The quadratic form
+builds them over the whole sequence from segment sums; the chunked form within each chunk with
+the shared "decayed inner products within a chunk" block (:mod:`polylin._intra_chunk`, whose
+``"read"`` kinds give the ``F`` matrices and the inverse of ``I - L`` level by level), then
+carries the state from chunk to chunk. No exponent is ever positive.
+
+Every function takes ``xp`` and arrays already validated, masked (masked tokens have zero
+``q, k, v, a, b`` and ``g = 0``) and in the work dtype: ``q, k, a, b`` are ``(..., T, d_k)``,
+``v`` ``(..., T, d_v)``, ``g`` ``(..., T, 1 or d_k)`` or ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ._intra_chunk import (
+    READ_SCORES,
+    READ_SOLVE,
+    SCORES,
+    intra_chunk,
+    segment_sums,
+    unit_lower_inverse,
+)
+from ._ops import causal_mask, pad_rows, split_rows
+from ._policy import cumulative_sum, device, eager_cpu, unstack
+
+__all__ = ["BLOCK_ROWS", "dplr_chunked", "dplr_quadratic", "dplr_recurrent", "dplr_step"]
+
+
+def dplr_step(
+    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any | None, S: Any
+) -> tuple[Any, Any]:
+    """One token: ``(o_t, S_t)``. ``q, k, a, b`` are ``(..., d_k)``, ``v`` ``(..., d_v)``,
+    ``decay`` (``exp(g_t)``, not its log) ``(..., 1 or d_k)`` or ``None``, ``S`` the state."""
+    read = xp.matmul(a[..., None, :], S)  # (..., 1, d_v): a_t^T S_{t-1}, before the decay
+    if decay is not None:
+        S = S * decay[..., :, None]
+    S = S + b[..., :, None] * read + k[..., :, None] * v[..., None, :]
+    return xp.matmul(q[..., None, :], S)[..., 0, :], S
+
+
+def dplr_recurrent(
+    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, g: Any | None, S: Any
+) -> tuple[Any, Any]:
+    """T sequential updates from the state ``S``: ``(out, S_T)``."""
+    T = q.shape[-2]
+    if T == 0:
+        return v[..., :0, :], S
+    # One unstack per input (a single op for autograd) rather than a slice per token.
+    qs, ks, vs, as_, bs = (unstack(xp, x, axis=-2) for x in (q, k, v, a, b))
+    decays: list[Any] = [None] * T if g is None else list(unstack(xp, xp.exp(g), axis=-2))
+    outputs = []
+    for t in range(T):
+        o, S = dplr_step(xp, qs[t], ks[t], vs[t], as_[t], bs[t], decays[t], S)
+        outputs.append(o)
+    return xp.stack(outputs, axis=-2), S
+
+
+def _rows_down(xp: Any, M: Any) -> Any:
+    """``M`` with its rows moved one down along axis -2, a zero row first."""
+    zeros = xp.zeros((*M.shape[:-2], 1, M.shape[-1]), dtype=M.dtype, device=device(M))
+    return xp.concat([zeros, M[..., :-1, :]], axis=-2)
+
+
+def _decayed_products(xp: Any, X: Any, Y: Any, E: Any | None) -> Any:
+    """``sum_c X_tc Y_sc E_tsc`` for every pair ``(t, s)``: ``(..., T, T)``.
+
+    ``E`` is ``(..., T, T, 1 or d)`` (0 where a pair does not interact) or ``None`` (no decay).
+    """
+    products = xp.matmul(X, xp.matrix_transpose(Y))
+    if E is None:
+        return products
+    if E.shape[-1] == 1:
+        return products * E[..., 0]
+    return xp.sum(X[..., :, None, :] * Y[..., None, :, :] * E, axis=-1)
+
+
+def dplr_quadratic(
+    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, g: Any | None, S: Any
+) -> tuple[Any, Any]:
+    """The whole sequence as one block: ``T x T`` matrices, ``O(T^2 d)`` time and memory
+    (``O(T^2 d_k)`` for a gate per channel). The reference for the chunked form."""
+    T = q.shape[-2]
+    if T == 0:
+        return v[..., :0, :], S
+    dev = device(q)
+    causal = causal_mask(xp, T, T, dev)  # s <= t: the outputs' pairs
+    strict = causal_mask(xp, T, T, dev, strict=True)  # s < t: the reads' pairs
+    if g is None:
+        E = F = None
+        queries, reads, keys, values, total = q, a, k, b, None
+    else:
+        # Each exponent is a segment sum of its own terms: <= 0, and exact at strong gates.
+        seg = segment_sums(xp, g, axis=-2)  # (..., T, T, w): sum_{s<r<=t} g_r
+        seg_read = _rows_down(xp, xp.reshape(seg, (*seg.shape[:-2], -1)))  # sum_{s<r<t} g_r
+        seg_read = xp.reshape(seg_read, seg.shape)
+        E = xp.where(causal[:, :, None], xp.exp(seg), 0.0)
+        F = xp.where(strict[:, :, None], xp.exp(seg_read), 0.0)
+        before = cumulative_sum(xp, g, axis=-2, include_initial=True)  # sum_{r<=t}, from 0
+        queries = q * xp.exp(before[..., 1:, :])
+        reads = a * xp.exp(before[..., :-1, :])
+        after = xp.exp(seg[..., -1, :, :])  # the decay from s (exclusive) to the end
+        keys, values = k * after, b * after
+        total = xp.matrix_transpose(xp.exp(before[..., -1:, :]))  # (..., w, 1)
+    A_qk = xp.where(causal, _decayed_products(xp, q, k, E), 0.0)
+    A_qb = xp.where(causal, _decayed_products(xp, q, b, E), 0.0)
+    A_ak = xp.where(strict, _decayed_products(xp, a, k, F), 0.0)
+    L = xp.where(strict, _decayed_products(xp, a, b, F), 0.0)
+    size = 1 << (T - 1).bit_length()  # the inversion merges blocks of powers of two
+    if size != T:  # zero rows and columns: identity rows, the leading T x T block unchanged
+        L = xp.matrix_transpose(
+            pad_rows(xp, xp.matrix_transpose(pad_rows(xp, L, size - T)), size - T)
+        )
+    inverse = unit_lower_inverse(xp, L)[..., :T, :T] if size != T else unit_lower_inverse(xp, L)
+    R = xp.matmul(inverse, xp.matmul(reads, S) + xp.matmul(A_ak, v))  # the reads r_t
+    out = xp.matmul(queries, S) + xp.matmul(A_qk, v) + xp.matmul(A_qb, R)
+    kept = S if total is None else total * S
+    S = kept + xp.matmul(xp.matrix_transpose(keys), v) + xp.matmul(xp.matrix_transpose(values), R)
+    return out, S
+
+
+#: Rows (batch x tokens) per block of chunks on eager CPU backends: the chunks' C x C
+#: intermediates of one block (the four matrices, the inverse, each level's blocks) stay in
+#: cache instead of being allocated at the size of the whole sequence (as the delta rule's
+#: chunked form does; measured in ``benchmarks/dplr.py``).
+BLOCK_ROWS = 4096
+
+
+def dplr_chunked(
+    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, g: Any | None, S: Any, *, chunk_size: int
+) -> tuple[Any, Any]:
+    """Chunks of ``chunk_size`` tokens (rounded up to a power of two) from the state ``S``.
+
+    Within every chunk (all chunks of a block at once, batched): the four matrices of decayed
+    inner products and the inverse of ``I - L``; then ``R = U + W S`` and the state update per
+    chunk, two small matmuls each in the sequential loop over chunks. On eager CPU backends the
+    chunks are processed in blocks of about :data:`BLOCK_ROWS` rows, cut by one reshape and one
+    ``unstack`` per input (:func:`polylin._ops.split_rows`); lazy and accelerator backends get
+    one block.
+    """
+    T = k.shape[-2]
+    if T == 0:
+        return v[..., :0, :], S
+    chunk = 1 << (min(chunk_size, T) - 1).bit_length()
+    padded = -(-T // chunk) * chunk
+    arrays = [q, k, v, a, b] + ([] if g is None else [g])
+    if padded != T:  # zero k, v, a, b write nothing, zero g keeps the state; outputs dropped
+        arrays = [pad_rows(xp, x, padded - T) for x in arrays]
+    block = padded
+    if eager_cpu(xp, device(k)):
+        rows = math.prod(S.shape[:-2])
+        block = min(padded, chunk * max(1, BLOCK_ROWS // (chunk * max(1, rows))))
+    outputs = []
+    for pieces in zip(*(split_rows(xp, x, block, padded) for x in arrays)):
+        out, S = _chunks(xp, *pieces, S=S, chunk=chunk)
+        outputs.append(out)
+    out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
+    return (out if padded == T else out[..., :T, :]), S
+
+
+def _chunks(
+    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, *gate: Any, S: Any, chunk: int
+) -> tuple[Any, Any]:
+    """Outputs of consecutive chunks (their length a multiple of ``chunk``) from the state ``S``,
+    and the state after them."""
+    length, d_v = k.shape[-2], v.shape[-1]
+    n_chunks = length // chunk
+    Q, K, V, A, B, *rest = (
+        xp.reshape(x, (*x.shape[:-2], n_chunks, chunk, x.shape[-1])) for x in (q, k, v, a, b, *gate)
+    )
+    G = rest[0] if rest else None
+    # Two sets of keys, k and b; the queries meet both (outputs), the a rows read before their
+    # own token's decay (reads: strictly lower, the system's matrix for b).
+    with_k = intra_chunk(xp, K, G, [(Q, SCORES), (A, READ_SCORES)])
+    with_b = intra_chunk(xp, B, G, [(Q, SCORES), (A, READ_SOLVE)])
+    (A_qk, A_ak), (queries, reads) = with_k.matrices, with_k.rows
+    (A_qb, inverse), values = with_b.matrices, with_b.keys
+    keys, whole = with_k.keys, with_k.whole
+    U = xp.matmul(inverse, xp.matmul(A_ak, V))  # R_n = U_n + W_n S_n
+    W = xp.matmul(inverse, reads)
+    increments = xp.matmul(xp.matrix_transpose(keys), V)  # (..., n, d_k, d_v)
+    Us, Ws, Bs, Ks = (
+        unstack(xp, x, axis=-3) for x in (U, W, xp.matrix_transpose(values), increments)
+    )
+    decays = (
+        [None] * n_chunks if whole is None else unstack(xp, xp.matrix_transpose(whole), axis=-3)
+    )
+    states, all_reads = [], []
+    for n in range(n_chunks):
+        states.append(S)
+        R = Us[n] + xp.matmul(Ws[n], S)
+        all_reads.append(R)
+        kept = S if decays[n] is None else decays[n] * S
+        S = kept + Ks[n] + xp.matmul(Bs[n], R)
+    starts = xp.stack(states, axis=-3)  # (..., n, d_k, d_v): the state before each chunk
+    R = xp.stack(all_reads, axis=-3)  # (..., n, C, d_v)
+    out = xp.matmul(queries, starts) + xp.matmul(A_qk, V) + xp.matmul(A_qb, R)
+    return xp.reshape(out, (*out.shape[:-3], length, d_v)), S

@@ -1,0 +1,152 @@
+"""What the entry points of the matrix-state recurrences share (the delta rule, the generalized
+delta rule): per-token coefficients in the standard layout, log decays, and one run over a plain
+batch, a padding mask or packed sequences.
+
+An algorithm is a function ``algorithm(arrays, S)`` of the per-token arrays (standard layout,
+work dtype) and the state that returns ``(out, S)``. :func:`run_sequences` validates the state,
+builds the mask of real tokens from ``attention_mask`` or ``cu_seqlens`` (packing the sequences
+into a padded batch), selects every per-token array to 0 at masked tokens (for these
+recurrences zero inputs and a zero log decay leave the state exactly as it was), runs the
+algorithm, zeroes the masked outputs and restores the caller's layout and dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from itertools import pairwise
+from typing import Any
+
+from ._layout import SequenceLayout
+from ._policy import is_array, is_tracer
+from ._prepare import finish
+from ._validation import (
+    AttentionInputs,
+    check_coefficient,
+    check_cu_seqlens,
+    check_mask,
+    check_matrix_state,
+)
+from ._varlen import length_mask, pack, unpack
+
+__all__ = [
+    "LOG_DECAY_BOUNDS",
+    "check_log_decay",
+    "check_scale",
+    "in_standard_layout",
+    "run_sequences",
+]
+
+#: Python-float log decays must lie here: a decay never amplifies the state.
+LOG_DECAY_BOUNDS = (-math.inf, 0.0)
+
+#: ``algorithm(arrays, S) -> (out, S)``: one form on validated arrays (module docstring).
+Algorithm = Callable[[list[Any], Any], tuple[Any, Any]]
+
+
+def check_scale(scale: Any) -> float:
+    """The output scale: a finite real number, static under ``jax.jit``; as a Python float."""
+    if is_tracer(scale):
+        raise TypeError(
+            "scale must be static under jax.jit: pass it in static_argnames or bind it with "
+            "functools.partial"
+        )
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def in_standard_layout(layout: SequenceLayout, name: str, x: Any) -> Any:
+    """A per-token array given in the inputs' layout, with its time axis moved to -2.
+
+    With a non-default ``seq_axis`` the array must have the rank of ``q`` (size-1 axes
+    broadcast): a lower rank would not say which axis is T.
+    """
+    if layout.is_standard or x is None or isinstance(x, (int, float)):
+        return x
+    return layout.to_standard(**{name: x})[0]
+
+
+def check_log_decay(
+    inputs: AttentionInputs,
+    log_decay: Any,
+    shape: tuple,
+    *,
+    name: str = "log_decay",
+    channels: int | None = None,
+) -> Any | None:
+    """A log decay as an array of ``shape`` (last axis 1) in the work dtype, values above 0 as 0.
+
+    With ``channels`` (``d_k``) an array whose last axis has that size is one decay per key
+    channel: the result then has ``channels`` as its last axis.
+    """
+    if log_decay is None:
+        return None
+    if channels is not None and is_array(log_decay) and getattr(log_decay, "ndim", 0) >= 1:
+        width = log_decay.shape[-1]
+        if width == channels:
+            shape = (*shape[:-1], channels)
+        elif width != 1:
+            raise ValueError(
+                f"{name} must broadcast to a last axis of 1 (one decay per token) or "
+                f"d_k={channels} (one per key channel), got shape {tuple(log_decay.shape)}"
+            )
+    per = "token" if shape[-1] == 1 else "key channel"
+    g = check_coefficient(inputs, log_decay, shape, name=name, bounds=LOG_DECAY_BOUNDS, per=per)
+    # A decay never amplifies: this keeps every exponential the algorithms form <= 1. A
+    # selection rather than ``minimum``, whose gradient is halved where ``g == 0`` on PyTorch.
+    return inputs.xp.where(g > 0.0, 0.0, g)
+
+
+def run_sequences(
+    inputs: AttentionInputs,
+    layout: SequenceLayout,
+    arrays: list[Any],
+    algorithm: Algorithm,
+    *,
+    length: int,
+    state_shape: tuple,
+    initial_state: Any,
+    attention_mask: Any,
+    cu_seqlens: Sequence[int] | None,
+    return_state: bool,
+) -> Any:
+    """Validate the state and the mask or offsets, run, and return ``out`` or ``(out, S)``.
+
+    ``arrays`` are ``(..., T, d)`` in the standard layout; ``state_shape`` is the state's shape
+    without the leading dimensions (``(d_k, d_v)``). With ``cu_seqlens`` the sequences are
+    packed into a padded batch (one state per sequence, ``(..., N, *state_shape)``).
+    """
+    xp, batch = inputs.xp, inputs.batch_shape
+    keep = None
+    if cu_seqlens is not None:
+        if attention_mask is not None:
+            raise ValueError("pass attention_mask or cu_seqlens, not both")
+        offsets = check_cu_seqlens(cu_seqlens, length)
+        n_seqs = len(offsets) - 1
+        max_len = max(b - a for a, b in pairwise(offsets))
+        S = check_matrix_state(
+            inputs, initial_state, (*batch, n_seqs, *state_shape), name="initial_state"
+        )
+        keep = length_mask(xp, offsets, max_len, inputs.device)[..., None]
+        arrays = [pack(xp, x, offsets, max_len) for x in arrays]
+    else:
+        S = check_matrix_state(inputs, initial_state, (*batch, *state_shape), name="initial_state")
+        if attention_mask is not None:
+            mask = check_mask(inputs, attention_mask, length, layout)
+            keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
+    if keep is not None:
+        # Selection, not multiplication: padding may hold NaN, and its inputs are never read.
+        arrays = [xp.where(keep, x, 0.0) for x in arrays]
+    out, S = algorithm(arrays, S)
+    if keep is not None:
+        out = xp.where(keep, out, 0.0)
+    if cu_seqlens is not None:
+        out = unpack(xp, out, offsets)
+    if length == 0 and initial_state is not None:  # never hand back the caller's own array
+        S = xp.asarray(S, copy=True)
+    out = layout.restore(finish(inputs, out, None))
+    return (out, S) if return_state else out
