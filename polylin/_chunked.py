@@ -52,7 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._ops import causal_mask, pad_rows, split_rows
-from ._policy import cumulative_sum, device, eager_cpu, unstack
+from ._policy import cumulative_sum, device, eager_cpu, rows_in_whole_chunks, unstack
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
@@ -157,6 +157,9 @@ def _block(
         fq, fk, v = (pad_rows(xp, x, padded - length) for x in (fq, fk, v))
         if log_decay is not None:
             log_decay = pad_rows(xp, log_decay, padded - length)
+    fq, fk, v = (rows_in_whole_chunks(x, chunk) for x in (fq, fk, v))
+    if log_decay is not None:
+        log_decay = rows_in_whole_chunks(log_decay, chunk)
     Q = xp.reshape(fq, (*batch, n_chunks, chunk, d_phi))
     K = xp.reshape(fk, (*batch, n_chunks, chunk, d_phi))
     V = xp.reshape(v, (*batch, n_chunks, chunk, d_v))
@@ -251,32 +254,44 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     ``exp(B - b)`` and ``exp(B)``.
     """
     *lead, n, chunk, _ = Q.shape
+    dev = device(Q)
     scores = xp.sum(Q * K, axis=-1)[..., None, None]  # (..., n, C, 1, 1): s = t, undecayed
     whole = xp.exp(G)  # (..., n, C / h, w): the decay over each stretch of h tokens
     queries = Q * whole  # q_t decayed from the start of its stretch to t (inclusive)
     keys = K  # k_s decayed from s (exclusive) to the end of its stretch
+    half = xp.arange(2, device=dev)  # which half of a block: 0 upper, 1 lower
+    lower = (half == 1)[:, None, None]  # (2, 1, 1) over (half, token, channel)
+    diagonal = half[:, None, None, None] == half[:, None]  # (2, 1, 2, 1): (i, t, j, s)
     h = 1
     while h < chunk:
         pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
-        upper, lower = unstack(xp, xp.reshape(scores, (*lead, n, pairs, 2, h, h)), axis=-3)
         upper_q, lower_q = unstack(xp, _halves(xp, queries, pairs), axis=-3)
         upper_k, lower_k = unstack(xp, _halves(xp, keys, pairs), axis=-3)
         if h == 1:  # 1 x 1 corners: a tiny batched matmul's backward costs 6x this
             corner = xp.sum(lower_q * upper_k, axis=-1)[..., None]
         else:
             corner = xp.matmul(lower_q, xp.matrix_transpose(upper_k))  # t lower, s upper
-        top = xp.concat([upper, xp.zeros_like(upper)], axis=-1)
-        scores = xp.concat([top, xp.concat([corner, lower], axis=-1)], axis=-2)
+        # The quadrants of every block of 2h, (..., pairs, 2(i), h(t), 2(j), h(s)), placed by
+        # one selection between broadcasts rather than concatenated (a concatenation would
+        # leave Dask one chunk per quadrant: C^2 chunks per chunk after the last level). The
+        # upper-right quadrant (t < s) gets the corner too: the causal mask selects it away
+        # once, at the end.
+        previous = xp.reshape(scores, (*lead, n, pairs, 2, h, 1, h))  # the diagonal blocks
+        scores = xp.where(diagonal, previous, corner[..., None, :, None, :])
         # Stretches of 2h: a query in the second half also crosses the whole first half, a key
-        # in the first half the whole second half; the other halves are unchanged (not
-        # multiplied by ones: autograd keeps only the halves it multiplies).
+        # in the first half the whole second half; the other halves are multiplied by exactly 1.
         *g_lead, _, width = whole.shape
         first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
-        queries = _join(xp, xp.stack([upper_q, lower_q * first], axis=-3))
-        keys = _join(xp, xp.stack([upper_k * second, lower_k], axis=-3))
+        query_factor = xp.where(lower, first[..., None, :, :], 1.0)  # (..., pairs, 2, 1, w)
+        key_factor = xp.where(lower, 1.0, second[..., None, :, :])
+        queries = _join(xp, _halves(xp, queries, pairs) * query_factor)
+        keys = _join(xp, _halves(xp, keys, pairs) * key_factor)
         whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
-    return xp.reshape(scores, (*lead, n, chunk, chunk)), queries, keys, whole
+    scores = xp.where(
+        causal_mask(xp, chunk, chunk, dev), xp.reshape(scores, (*lead, n, chunk, chunk)), 0.0
+    )
+    return scores, queries, keys, whole
 
 
 def _halves(xp: Any, x: Any, pairs: int) -> Any:
