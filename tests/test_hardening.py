@@ -20,9 +20,12 @@ from polylin import (
     causal_linear_attention,
     linear_attention,
     masked_kernel_attention,
+    delta_rule_attention,
+    delta_rule_step,
     step,
 )
-
+from polylin.feature_maps import dpfp
+from polylin.feature_maps import elu_plus_one as elu_plus_one_map
 from polylin.testing import Backend
 
 from .reference import decayed_loop, elu_plus_one, masked_kernel
@@ -403,3 +406,37 @@ def test_dask_per_channel_gate_graph_stays_small(backend, t_chunk, rng):
         assert sizes[4] <= 3 * sizes[1], (length, sizes)
     want, _, _ = decayed_loop(elu_plus_one(x), elu_plus_one(x), x, gates[4])
     np.testing.assert_allclose(out.compute(), want, rtol=0, atol=1e-12)
+
+
+def test_elu_plus_one_limits_at_infinity(backend):
+    """elu(x) + 1 is 0 at -inf and inf at +inf on every backend (x / 2 -+ |x| / 2 was
+    inf - inf = nan there on all but PyTorch); nan stays nan; finite values are unchanged."""
+    x = np.array([-np.inf, -700.0, -1.0, -0.0, 0.0, 2.0, 1e308, np.inf, np.nan])
+    got = backend.to_numpy(elu_plus_one_map(backend.from_numpy(x)))
+    np.testing.assert_allclose(got, elu_plus_one(x), rtol=1e-15, atol=0)
+    np.testing.assert_array_equal(got[[0, 7, 8]], [0.0, np.inf, np.nan])
+
+
+def test_infinite_key_adds_nothing(backend, rng):
+    """A key of -inf has features 0: every other output is that of the sequence with the key
+    masked (a NaN before: 0 * inf inside the map), on every backend and method."""
+    q, k, v = rng.standard_normal((3, 2, 7, 3))
+    k[1, 3] = -np.inf
+    mask = np.ones((2, 7), dtype=bool)
+    mask[1, 3] = False
+    for method in METHODS:
+        got = _run(backend, causal_linear_attention, (q, k, v), method=method, chunk_size=CHUNK)
+        masked = causal_linear_attention(
+            q, np.where(mask[..., None], k, 0.0), v, method=method, attention_mask=mask
+        )
+        assert np.isfinite(got).all(), method
+        np.testing.assert_allclose(got[mask], masked[mask], rtol=0, atol=1e-12, err_msg=method)
+
+
+def test_dpfp_product_with_a_zero_factor_is_zero(backend):
+    """dpfp multiplies features: a zero factor gives 0 even when the other one is inf."""
+    x = np.array([[np.inf, -2.0], [-np.inf, 1.0], [0.5, -3.0]])
+    got = backend.to_numpy(dpfp(2)(backend.from_numpy(x)))
+    np.testing.assert_array_equal(got[0], [np.inf, 0, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(got[1], [0, 0, np.inf, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(got[2], dpfp(2)(x[2]))
