@@ -265,8 +265,9 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     h = 1
     while h < chunk:
         pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
-        upper_q, lower_q = unstack(xp, _halves(xp, queries, pairs), axis=-3)
-        upper_k, lower_k = unstack(xp, _halves(xp, keys, pairs), axis=-3)
+        query_halves, key_halves = _halves(xp, queries, pairs), _halves(xp, keys, pairs)
+        lower_q = unstack(xp, query_halves, axis=-3)[1]
+        upper_k = unstack(xp, key_halves, axis=-3)[0]
         if h == 1:  # 1 x 1 corners: a tiny batched matmul's backward costs 6x this
             corner = xp.sum(lower_q * upper_k, axis=-1)[..., None]
         else:
@@ -284,8 +285,8 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
         first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
         query_factor = xp.where(lower, first[..., None, :, :], 1.0)  # (..., pairs, 2, 1, w)
         key_factor = xp.where(lower, 1.0, second[..., None, :, :])
-        queries = _join(xp, _halves(xp, queries, pairs) * query_factor)
-        keys = _join(xp, _halves(xp, keys, pairs) * key_factor)
+        queries = _join(xp, query_halves * query_factor)
+        keys = _join(xp, key_halves * key_factor)
         whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
     scores = xp.where(

@@ -16,6 +16,7 @@ from ._state import LinearAttentionState
 from ._typing import Array
 from ._validation import (
     check_cu_seqlens,
+    check_flag,
     check_mask,
     check_method,
     check_options,
@@ -165,6 +166,7 @@ def causal_linear_attention(
     chunk_size = chunk_size if checked_chunk_size is None else checked_chunk_size  # an int
     check_method(method, METHODS)
     check_normalize(normalize)
+    check_flag("return_state", return_state)
     xp = inputs.xp
     T = q.shape[-2]
     if cu_seqlens is not None:
@@ -173,7 +175,7 @@ def causal_linear_attention(
         offsets = check_cu_seqlens(cu_seqlens, T)
         max_len = max(b - a for a, b in pairwise(offsets))
         lengths = length_mask(xp, offsets, max_len, inputs.device)
-        decay = check_log_decay(inputs, log_decay, length=T, d_phi=None)
+        decay = check_log_decay(inputs, log_decay, length=T, d_phi=None, layout=layout)
         packed_q, packed_k, packed_v = (pack(xp, x, offsets, max_len) for x in (q, k, v))
         out, state = causal_linear_attention(
             packed_q,
@@ -212,7 +214,9 @@ def causal_linear_attention(
     S, z = check_state(
         inputs, initial_state, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
     )
-    decay = check_log_decay(inputs, log_decay, length=T, d_phi=fq.shape[-1], mask=mask)
+    decay = check_log_decay(
+        inputs, log_decay, length=T, d_phi=fq.shape[-1], mask=mask, layout=layout
+    )
     if T == 0:  # the new state must not be the caller's own arrays
         S, z = xp.asarray(S, copy=True), xp.asarray(z, copy=True)
     if method == "chunked":
@@ -382,6 +386,7 @@ def masked_kernel_attention(
     """
     layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     log_decay = standard_log_decay(layout, log_decay)
+    check_flag("causal", causal)  # before check_qkv, which branches on it
     inputs = check_qkv(q, k, v, causal=causal)
     eps, _ = check_options(eps=eps, inputs=inputs)
     check_normalize(normalize)
@@ -390,7 +395,9 @@ def masked_kernel_attention(
     fq, fk = apply_feature_map(inputs, feature_map, q, k)
     v = inputs.to_work_dtype(v)
     S, z = check_state(inputs, None, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="state")
-    decay = check_log_decay(inputs, log_decay, length=k.shape[-2], d_phi=fq.shape[-1])
+    decay = check_log_decay(
+        inputs, log_decay, length=k.shape[-2], d_phi=fq.shape[-1], layout=layout
+    )
     out, _, _ = quadratic(
         inputs.xp, fq, fk, v, S, z, causal=causal, eps=eps, log_decay=decay, normalize=normalize
     )

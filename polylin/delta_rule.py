@@ -7,11 +7,11 @@ old value instead of piling up. See ``docs/delta_rule.md`` for the math and the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
+from ._decay import check_log_decay
 from ._delta import delta_chunked, delta_recurrent, delta_step
 from ._layout import DEFAULT_SEQ_AXIS, SequenceLayout, standard_layout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
@@ -21,6 +21,7 @@ from ._validation import (
     AttentionInputs,
     check_coefficient,
     check_cu_seqlens,
+    check_flag,
     check_mask,
     check_matrix_state,
     check_method,
@@ -37,27 +38,17 @@ DELTA_METHODS = ("chunked", "recurrent")
 #: Python-float ``beta`` must lie here: for a unit key each step then shrinks the state
 #: (eigenvalue ``1 - beta`` along the key), the condition for a stable recurrence.
 _BETA_BOUNDS = (0.0, 2.0)
-_LOG_DECAY_BOUNDS = (-math.inf, 0.0)
 
 
-def _in_standard_layout(layout: SequenceLayout, name: str, x: Any) -> Any:
-    """A per-token array given in the inputs' layout, with its time axis moved to -2.
-
-    With a non-default ``seq_axis`` the array must have the rank of ``q`` (size-1 axes
-    broadcast): a lower rank would not say which axis is T.
-    """
-    if layout.is_standard or x is None or isinstance(x, (int, float)):
-        return x
-    return layout.to_standard(**{name: x})[0]
-
-
-def _log_decay(inputs: AttentionInputs, log_decay: Any, shape: tuple) -> Any | None:
-    if log_decay is None:
-        return None
-    g = check_coefficient(inputs, log_decay, shape, name="log_decay", bounds=_LOG_DECAY_BOUNDS)
-    # A decay never amplifies: this keeps every exponential the algorithms form <= 1. A
-    # selection rather than ``minimum``, whose gradient is halved where ``g == 0`` on PyTorch.
-    return inputs.xp.where(g > 0.0, 0.0, g)
+def _log_decay(
+    inputs: AttentionInputs, log_decay: Any, shape: tuple, layout: SequenceLayout | None = None
+) -> Any | None:
+    """``log_decay`` broadcast to ``shape`` (one gate per token), by the policy of every entry
+    point (``_decay.check_log_decay``: a number above 0 is an error, array values above 0 are
+    taken as 0), or ``None`` for no decay."""
+    length = None if len(shape) == len(inputs.batch_shape) + 1 else shape[-2]
+    g = check_log_decay(inputs, log_decay, length=length, d_phi=1, layout=layout, per_channel=False)
+    return None if g is None else inputs.xp.broadcast_to(g, shape)
 
 
 def _run(
@@ -193,14 +184,17 @@ def delta_rule_attention(
     check_options(eps=DEFAULT_EPS, chunk_size=chunk_size)  # an Integral >= 1, not a tracer
     chunk_size = int(chunk_size)
     check_method(method, DELTA_METHODS)
-    beta = _in_standard_layout(layout, "beta", beta)
-    log_decay = _in_standard_layout(layout, "log_decay", log_decay)
+    beta = layout.per_token_to_standard("beta", beta)
+    log_decay = layout.per_token_to_standard("log_decay", log_decay)
     xp = inputs.xp
     batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]
     per_token = (*batch, T, 1)
     arrays = [inputs.to_work_dtype(x) for x in (q, k, v)]
-    arrays.append(check_coefficient(inputs, beta, per_token, name="beta", bounds=_BETA_BOUNDS))
-    g = _log_decay(inputs, log_decay, per_token)
+    check_flag("return_state", return_state)
+    arrays.append(
+        check_coefficient(inputs, beta, per_token, name="beta", bounds=_BETA_BOUNDS, layout=layout)
+    )
+    g = _log_decay(inputs, log_decay, per_token, layout)
     if g is not None:
         arrays.append(g)
     if cu_seqlens is not None:
@@ -294,7 +288,9 @@ def delta_rule_step(
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
     beta = check_coefficient(inputs, beta_t, (*batch, 1), name="beta_t", bounds=_BETA_BOUNDS)
     g = _log_decay(inputs, log_decay, (*batch, 1))
-    S = check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
+    S = check_matrix_state(
+        inputs, state, (*batch, d_k, d_v), name="state", token_shape=tuple(q_t.shape)
+    )
     q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
     o_t, S = delta_step(xp, q, k, v, beta, None if g is None else xp.exp(g), S)
     return finish(inputs, o_t, None), S
