@@ -19,8 +19,7 @@ the state.
 from __future__ import annotations
 
 import math
-from numbers import Real
-from typing import Any
+from typing import Any, SupportsFloat
 
 from ._policy import device as device_of
 from ._policy import is_array
@@ -42,7 +41,7 @@ __all__ = [
 ]
 
 
-def check_log_decay_number(log_decay: Real) -> float:
+def check_log_decay_number(log_decay: SupportsFloat) -> float:
     """A number ``log_decay`` as a float; a ``ValueError`` unless it is finite and ``<= 0``."""
     value = float(log_decay)
     if not (math.isfinite(value) and value <= 0):

@@ -110,8 +110,10 @@ def causal_linear_attention(
         broadcasts against the mapped keys ``(..., T, d_phi)``, with a trailing axis of 1 (one
         gate per token, e.g. ``(heads, 1, 1)`` for a fixed decay per head) or ``d_phi`` (one
         per feature channel). With ``seq_axis`` other than -2 an array has the full rank of
-        ``q``, in the inputs' layout. Positive values (growth) are outside the contract.
-        Gradients flow to it.
+        ``q``, in the inputs' layout (a number or a 0-d array broadcasts in any layout). A decay
+        never amplifies the state: a number above 0 is a ``ValueError``, array values above 0
+        are taken as 0 (their gradient is 0), and ``-inf`` is an exact reset. Gradients flow
+        to it.
     normalize : bool
         Divide by the normalizer ``phi(q_t) . z_t + eps``; ``False`` returns the numerator
         ``phi(q_t) S_t`` (RetNet, GLA and Mamba-2 do not normalize; ``eps`` is then unused).
@@ -132,7 +134,8 @@ def causal_linear_attention(
         or traced under ``jax.jit`` (they must be static).
     ValueError
         Mismatched shapes or devices, a mask that fits neither mask rule, an unknown method,
-        ``chunk_size < 1``, ``eps`` not positive and finite in the work dtype.
+        ``chunk_size < 1``, ``eps`` not positive and finite in the work dtype, a number
+        ``log_decay`` above 0.
 
     Notes
     -----
@@ -356,7 +359,8 @@ def masked_kernel_attention(
     seq_axis : int
         The axis of T in ``q``, ``k`` and ``v`` (default -2); the output keeps the layout.
     log_decay : float or array, optional
-        Log decay ``g_t <= 0``, as in :func:`causal_linear_attention`; needs ``causal=True``.
+        Log decay ``g_t <= 0``, as in :func:`causal_linear_attention` (array values above 0
+        are taken as 0); needs ``causal=True``.
     normalize : bool
         Divide by ``A 1 + eps``; ``False`` returns ``A V``.
 

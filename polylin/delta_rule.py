@@ -109,12 +109,16 @@ def delta_rule_attention(
     v : array
         Values, shape ``(..., T, d_v)``, the same leading dimensions and dtype.
     beta : float or array
-        The learning rate per token: a Python float in ``[0, 2]`` (usually in ``(0, 1]``) or an
-        array of the dtype of ``q`` broadcastable to ``(..., T, 1)``.
+        The learning rate per token: a number in ``[0, 2]`` (usually in ``(0, 1]``; Python or
+        NumPy scalar) or an array of the dtype of ``q`` broadcastable to ``(..., T, 1)``, whose
+        values are used as given (outside ``[0, 2]`` the recurrence itself is unstable, in
+        every method alike).
     log_decay : float or array, optional
-        ``log a_t <= 0``: ``None`` (no decay), a Python float, or an array of the dtype of ``q``
-        broadcastable to ``(..., T, 1)`` (one decay per token, e.g. ``-softplus(x)``). Values
-        above 0 are taken as 0 (a decay never amplifies the state).
+        ``log a_t <= 0``: ``None`` (no decay), a number, or a real floating array
+        broadcastable to ``(..., T, 1)`` (one decay per token, e.g. ``-softplus(x)``). A
+        decay never amplifies the state: a number above 0 is a ``ValueError``, array values
+        above 0 are taken as 0 (the policy of every entry point; see the docs page "Numerics
+        and non-finite values").
     method : {"chunked", "recurrent"}
         ``"chunked"``: the parallel chunkwise (WY) form, O(T C d + T d_k d_v) in batched
         matmuls. ``"recurrent"``: one state update per token (the reference).
@@ -250,8 +254,8 @@ def delta_rule_step(
     state : array, optional
         The state ``S`` before this token, shape ``(..., d_k, d_v)``; ``None`` starts from zeros.
     log_decay : float or array, optional
-        ``log a_t <= 0`` of this token: ``None``, a Python float, or an array broadcastable to
-        ``(..., 1)``; values above 0 are taken as 0.
+        ``log a_t <= 0`` of this token: ``None``, a number, or an array broadcastable to
+        ``(..., 1)``; a number above 0 is an error, array values above 0 are taken as 0.
 
     Returns
     -------

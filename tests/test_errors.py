@@ -160,7 +160,8 @@ def test_per_token_shapes_in_the_callers_layout():
         delta_rule_attention(x, x, x, bad, seq_axis=1)
     with pytest.raises(
         ValueError,
-        match=r"^log_decay must broadcast against the keys \(2, 5, 3, 1\) .*got shape \(2, 5, 3, 2\)$",
+        match=r"^log_decay must broadcast against the keys \(2, 5, 3, 1\) .*got shape "
+        r"\(2, 5, 3, 2\)$",
     ):
         delta_rule_attention(x, x, x, 0.5, log_decay=bad, seq_axis=1)
 
@@ -169,7 +170,10 @@ def test_time_first_two_dimensional_mask():
     """(T, batch, d) inputs: a 2-D mask means (batch, T); the message says so instead of
     offering the refused (T, batch) as valid."""
     x = np.zeros((5, 2, 4))  # (T 5, batch 2, d)
-    message = r"^attention_mask must have shape \(batch, T\) = \(2, 5\) .*transpose a \(T, batch\) mask\); got \(5, 2\)$"
+    message = (
+        r"^attention_mask must have shape \(batch, T\) = \(2, 5\) .*transpose a \(T, batch\) "
+        r"mask\); got \(5, 2\)$"
+    )
     with pytest.raises(ValueError, match=message):
         causal_linear_attention(x, x, x, attention_mask=np.ones((5, 2), bool), seq_axis=0)
     out = causal_linear_attention(x, x, x, attention_mask=np.ones((2, 5), bool), seq_axis=0)
@@ -213,7 +217,7 @@ def test_unknown_dask_sizes_in_gates_beta_and_states():
     x = da.from_array(rng.standard_normal((4, 6, 3)), chunks=(2, -1, -1))
 
     def unknown(a):
-        a = da.from_array(a, chunks=(2,) + a.shape[1:])
+        a = da.from_array(a, chunks=(2, *a.shape[1:]))
         return a[a.reshape(a.shape[0], -1)[:, 0] > -np.inf]  # Dask no longer knows the size
 
     g, beta = unknown(-rng.random((4, 6, 1))), unknown(np.full((4, 6, 1), 0.5))

@@ -18,10 +18,10 @@ from polylin import (
     METHODS,
     LinearAttentionState,
     causal_linear_attention,
-    linear_attention,
-    masked_kernel_attention,
     delta_rule_attention,
     delta_rule_step,
+    linear_attention,
+    masked_kernel_attention,
     step,
 )
 from polylin.feature_maps import dpfp

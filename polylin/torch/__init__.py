@@ -181,7 +181,8 @@ class LinearAttention(nn.Module):
         torch.Tensor or None
             ``None`` here. An override returns ``g`` of shape ``(*x.shape[:-1], num_heads)``
             or broadcastable to it: ``(num_heads,)`` for a fixed decay per head, or computed
-            from ``x`` for a gate per token.
+            from ``x`` for a gate per token. As for the functions, values above 0 are taken
+            as 0, and a number above 0 is a ``ValueError``.
 
         Examples
         --------
