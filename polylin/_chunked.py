@@ -52,7 +52,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ._ops import causal_mask, pad_rows, split_rows
-from ._policy import cumulative_sum, device, eager_cpu, rows_in_whole_chunks, unstack
+from ._policy import (
+    cumulative_sum,
+    device,
+    eager_cpu,
+    rows_in_whole_chunks,
+    splits_chunks_on_concat,
+    unstack,
+)
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
@@ -254,45 +261,70 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     ``exp(B - b)`` and ``exp(B)``.
     """
     *lead, n, chunk, _ = Q.shape
-    dev = device(Q)
     scores = xp.sum(Q * K, axis=-1)[..., None, None]  # (..., n, C, 1, 1): s = t, undecayed
     whole = xp.exp(G)  # (..., n, C / h, w): the decay over each stretch of h tokens
     queries = Q * whole  # q_t decayed from the start of its stretch to t (inclusive)
     keys = K  # k_s decayed from s (exclusive) to the end of its stretch
-    half = xp.arange(2, device=dev)  # which half of a block: 0 upper, 1 lower
-    lower = (half == 1)[:, None, None]  # (2, 1, 1) over (half, token, channel)
-    diagonal = half[:, None, None, None] == half[:, None]  # (2, 1, 2, 1): (i, t, j, s)
+    select = splits_chunks_on_concat(Q)  # Dask: place the pieces by selection (_policy)
     h = 1
     while h < chunk:
         pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
         query_halves, key_halves = _halves(xp, queries, pairs), _halves(xp, keys, pairs)
-        lower_q = unstack(xp, query_halves, axis=-3)[1]
-        upper_k = unstack(xp, key_halves, axis=-3)[0]
+        upper_q, lower_q = unstack(xp, query_halves, axis=-3)
+        upper_k, lower_k = unstack(xp, key_halves, axis=-3)
         if h == 1:  # 1 x 1 corners: a tiny batched matmul's backward costs 6x this
             corner = xp.sum(lower_q * upper_k, axis=-1)[..., None]
         else:
             corner = xp.matmul(lower_q, xp.matrix_transpose(upper_k))  # t lower, s upper
-        # The quadrants of every block of 2h, (..., pairs, 2(i), h(t), 2(j), h(s)), placed by
-        # one selection between broadcasts rather than concatenated (a concatenation would
-        # leave Dask one chunk per quadrant: C^2 chunks per chunk after the last level). The
-        # upper-right quadrant (t < s) gets the corner too: the causal mask selects it away
-        # once, at the end.
-        previous = xp.reshape(scores, (*lead, n, pairs, 2, h, 1, h))  # the diagonal blocks
-        scores = xp.where(diagonal, previous, corner[..., None, :, None, :])
-        # Stretches of 2h: a query in the second half also crosses the whole first half, a key
-        # in the first half the whole second half; the other halves are multiplied by exactly 1.
         *g_lead, _, width = whole.shape
         first, second = unstack(xp, xp.reshape(whole, (*g_lead, pairs, 2, 1, width)), axis=-3)
-        query_factor = xp.where(lower, first[..., None, :, :], 1.0)  # (..., pairs, 2, 1, w)
-        key_factor = xp.where(lower, 1.0, second[..., None, :, :])
-        queries = _join(xp, query_halves * query_factor)
-        keys = _join(xp, key_halves * key_factor)
+        # Stretches of 2h: a query in the second half also crosses the whole first half, a key
+        # in the first half the whole second half; the other halves are unchanged.
+        if select:
+            scores, queries, keys = _select_level(
+                xp, scores, corner, query_halves, key_halves, first, second
+            )
+        else:
+            upper, lower = unstack(xp, xp.reshape(scores, (*lead, n, pairs, 2, h, h)), axis=-3)
+            top = xp.concat([upper, xp.zeros_like(upper)], axis=-1)
+            scores = xp.concat([top, xp.concat([corner, lower], axis=-1)], axis=-2)
+            # Not multiplied by ones: autograd keeps only the halves it multiplies.
+            queries = _join(xp, xp.stack([upper_q, lower_q * first], axis=-3))
+            keys = _join(xp, xp.stack([upper_k * second, lower_k], axis=-3))
         whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
-    scores = xp.where(
-        causal_mask(xp, chunk, chunk, dev), xp.reshape(scores, (*lead, n, chunk, chunk)), 0.0
-    )
+    scores = xp.reshape(scores, (*lead, n, chunk, chunk))
+    if select:  # the upper-right quadrants hold corners: selected away once
+        scores = xp.where(causal_mask(xp, chunk, chunk, device(Q)), scores, 0.0)
     return scores, queries, keys, whole
+
+
+def _select_level(
+    xp: Any,
+    scores: Any,
+    corner: Any,
+    query_halves: Any,
+    key_halves: Any,
+    first: Any,
+    second: Any,
+) -> tuple[Any, Any, Any]:
+    """One level of :func:`_channel_gate` without concatenation (for Dask, whose chunks would
+    follow the quadrants: C^2 chunks per chunk after the last level).
+
+    The blocks of 2h, ``(..., pairs, 2(i), h(t), 2(j), h(s))``, are one selection between the
+    previous level's diagonal blocks and the corner, broadcast (the upper-right quadrant gets
+    the corner too: the caller's causal mask selects it away); the halves of the queries and
+    keys are multiplied by their factor or by exactly 1.
+    """
+    h = query_halves.shape[-2]
+    half = xp.arange(2, device=device(corner))  # which half of a block: 0 upper, 1 lower
+    diagonal = half[:, None, None, None] == half[:, None]  # (2, 1, 2, 1): (i, t, j, s)
+    lower = (half == 1)[:, None, None]  # (2, 1, 1): (half, token, channel)
+    previous = xp.reshape(scores, (*corner.shape[:-2], 2, h, 1, h))
+    scores = xp.where(diagonal, previous, corner[..., None, :, None, :])
+    queries = _join(xp, query_halves * xp.where(lower, first[..., None, :, :], 1.0))
+    keys = _join(xp, key_halves * xp.where(lower, 1.0, second[..., None, :, :]))
+    return scores, queries, keys
 
 
 def _halves(xp: Any, x: Any, pairs: int) -> Any:

@@ -39,6 +39,7 @@ __all__ = [
     "native_elu_plus_one",
     "outside_graph",
     "rows_in_whole_chunks",
+    "splits_chunks_on_concat",
     "stacked_qr",
     "unstack",
     "unsupported_array",
@@ -232,6 +233,16 @@ def materialized(x: Any) -> Any:
     if _torch_namespace(x) is not None:
         return x
     return x.persist() if array_api_compat.is_dask_array(x) else x
+
+
+def splits_chunks_on_concat(x: Any) -> bool:
+    """Whether ``x`` is a Dask array: a concatenation gives it one chunk per piece.
+
+    An array assembled from pieces level by level (the per-channel scores of a chunk) would
+    then end with one chunk, and tasks, per smallest piece; such code places its pieces by
+    selection instead. Elsewhere concatenation is the cheaper way (its backward is a slice).
+    """
+    return _torch_namespace(x) is None and array_api_compat.is_dask_array(x)
 
 
 def rows_in_whole_chunks(x: Any, rows: int) -> Any:
