@@ -61,7 +61,7 @@ from ._ops import (
     split_rows,
     widens,
 )
-from ._policy import cumulative_sum, device, eager_cpu, unstack
+from ._policy import cumulative_sum, device, eager_cpu, rows_in_whole_chunks, unstack
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
@@ -171,6 +171,9 @@ def _block(
         fq, fk, v = (pad_rows(xp, x, padded - length) for x in (fq, fk, v))
         if log_decay is not None:
             log_decay = pad_rows(xp, log_decay, padded - length)
+    fq, fk, v = (rows_in_whole_chunks(x, chunk) for x in (fq, fk, v))
+    if log_decay is not None:
+        log_decay = rows_in_whole_chunks(log_decay, chunk)
     Q, K, V = (xp.reshape(x, (*x.shape[:-2], n_chunks, chunk, x.shape[-1])) for x in (fq, fk, v))
     if log_decay is None:
         states, new_state = _prefix(xp, _increments(xp, K, V), None, state, chained=chained)

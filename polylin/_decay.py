@@ -1,24 +1,56 @@
-"""The ``log_decay`` argument: validation, and what masks and packing do to it.
+"""The ``log_decay`` argument: validation, the out-of-range policy, masks and packing.
 
-``log_decay`` is ``None`` (no decay), a Python float ``<= 0`` (one decay everywhere), or an array
-of the inputs' library and device that broadcasts against the mapped keys ``(..., T, d_phi)``
-(``(..., d_phi)`` for one decoding step): a trailing axis of size 1 is one scalar gate per token,
-a trailing axis of ``d_phi`` one gate per feature channel. The algorithms receive ``None`` or an
-array in the work dtype with the token and channel axes explicit, ``(..., T or 1, 1 or d_phi)``,
-already zero at masked tokens (a masked token neither adds to the state nor decays it).
+``log_decay`` is ``None`` (no decay), a real number ``<= 0`` (a Python or NumPy scalar: one
+decay everywhere), or an array of the inputs' library and device that broadcasts against the
+mapped keys ``(..., T, d_phi)`` (``(..., d_phi)`` for one decoding step), a 0-d array
+included: a trailing axis of size 1 is one scalar gate per token, a trailing axis of ``d_phi``
+one gate per feature channel. The algorithms receive ``None`` or an array in the work dtype
+with the token and channel axes explicit, ``(..., T or 1, 1 or d_phi)``, already zero at masked
+tokens (a masked token neither adds to the state nor decays it).
+
+The out-of-range policy, the same for every entry point, form and layer (this module is its
+one home): a decay never amplifies the state. A number above 0 (or nan, or infinite) is a
+``ValueError``; array values above 0 are taken as 0, by selection (``where(g > 0, 0, g)``:
+``minimum`` would halve the gradient at ``g == 0`` on PyTorch), since checking them would read
+the data (lazy and traced backends cannot). An array value of ``-inf`` is an exact reset of
+the state.
 """
 
 from __future__ import annotations
 
 import math
-from numbers import Real
-from typing import Any
+from typing import Any, SupportsFloat
 
 from ._policy import device as device_of
 from ._policy import is_array
-from ._validation import AttentionInputs, namespace_of
+from ._validation import (
+    AttentionInputs,
+    _check_known_shape,
+    _other_device,
+    check_flag,
+    is_real_number,
+    namespace_of,
+)
 
-__all__ = ["check_log_decay", "check_normalize", "pack_log_decay", "standard_log_decay"]
+__all__ = [
+    "check_log_decay",
+    "check_log_decay_number",
+    "check_normalize",
+    "pack_log_decay",
+    "standard_log_decay",
+]
+
+
+def check_log_decay_number(log_decay: SupportsFloat) -> float:
+    """A number ``log_decay`` as a float; a ``ValueError`` unless it is finite and ``<= 0``."""
+    value = float(log_decay)
+    if not (math.isfinite(value) and value <= 0):
+        raise ValueError(
+            f"log_decay must be a finite number <= 0 (a decay factor exp(log_decay) in (0, 1]), "
+            f"got {log_decay}; a decay never amplifies the state (array values above 0 are "
+            "taken as 0)"
+        )
+    return value
 
 
 def check_log_decay(
@@ -28,57 +60,65 @@ def check_log_decay(
     length: int | None,
     d_phi: int | None,
     mask: Any | None = None,
+    layout: Any | None = None,
+    per_channel: bool = True,
 ) -> Any | None:
     """Validate ``log_decay`` and return ``None`` or ``(..., T or 1, 1 or d_phi)`` work-dtype.
 
     ``length`` is the sequence length (``None`` for one decoding step: then the result is
     ``(..., 1 or d_phi)``); ``d_phi`` the feature size (``None``: not known yet, not checked).
     ``mask`` (``(..., T, 1)``, nonzero or True for real tokens) selects the log decay of masked
-    tokens to zero.
+    tokens to zero. ``layout`` (a ``SequenceLayout``) is the caller's: shapes in messages are
+    shown in it. ``per_channel=False`` allows a trailing axis of 1 only (one gate per token).
+    Array values above 0 are selected to 0 (the module docstring's policy).
     """
     if log_decay is None:
         return None
     xp = inputs.xp
-    if isinstance(log_decay, Real) and not isinstance(log_decay, bool):
-        value = float(log_decay)
-        if not (math.isfinite(value) and value <= 0):
-            raise ValueError(
-                f"log_decay must be <= 0 and finite (a decay factor exp(log_decay) in (0, 1]), "
-                f"got {log_decay}"
-            )
+    if is_real_number(log_decay):
+        value = check_log_decay_number(log_decay)
         if value == 0:
             return None
         shape = (1, 1) if length is not None else (1,)
-        decay = xp.full(shape, value, dtype=inputs.work_dtype, device=inputs.device)
-    else:
-        if isinstance(log_decay, bool) or not is_array(log_decay):
-            raise TypeError(
-                f"log_decay must be None, a float <= 0 or an array, got {type(log_decay).__name__}"
-            )
-        if namespace_of(log_decay=log_decay) is not xp:
-            raise TypeError("log_decay must be an array of the same library as q")
-        if device_of(log_decay) != inputs.device:
-            raise ValueError(
-                f"log_decay is on device {device_of(log_decay)} but q is on device {inputs.device}"
-            )
-        if not xp.isdtype(log_decay.dtype, "real floating"):
-            raise TypeError(f"log_decay must have a real floating dtype, got {log_decay.dtype}")
-        core = () if length is None else (length,)
-        full = (*inputs.batch_shape, *core, d_phi if d_phi is not None else "d_phi")
-        shape = tuple(log_decay.shape)
-        fits = 1 <= len(shape) <= len(full) and all(
-            s == 1 or s == f or (f == "d_phi" and i == 0)
-            for i, (s, f) in enumerate(zip(reversed(shape), reversed(full)))
+        return xp.full(shape, value, dtype=inputs.work_dtype, device=inputs.device)
+    if isinstance(log_decay, bool) or not is_array(log_decay):
+        raise TypeError(
+            f"log_decay must be None, a number <= 0 or an array, got {type(log_decay).__name__}"
         )
-        if not fits:
-            raise ValueError(
-                f"log_decay must broadcast against the mapped keys {full} (a trailing 1 for one "
-                f"gate per token, d_phi for one per channel), got shape {shape}"
-            )
-        decay = inputs.to_work_dtype(log_decay)
-        explicit = len(core) + 1  # the token (if any) and channel axes must exist
-        if decay.ndim < explicit:
-            decay = xp.reshape(decay, (1,) * (explicit - decay.ndim) + shape)
+    if namespace_of(log_decay=log_decay) is not xp:
+        raise TypeError("log_decay must be an array of the same library as q")
+    if _other_device(inputs.device, log_decay):
+        raise ValueError(
+            f"log_decay is on device {device_of(log_decay)} but q is on device {inputs.device}"
+        )
+    if not xp.isdtype(log_decay.dtype, "real floating"):
+        raise TypeError(f"log_decay must have a real floating dtype, got {log_decay.dtype}")
+    _check_known_shape("log_decay", log_decay)
+    core = () if length is None else (length,)
+    width = d_phi if d_phi is not None else "d_phi"
+    full = (*inputs.batch_shape, *core, width if per_channel else 1)
+    shape = tuple(log_decay.shape)
+    fits = len(shape) <= len(full) and all(
+        s == 1 or s == f or (f == "d_phi" and i == 0)
+        for i, (s, f) in enumerate(zip(reversed(shape), reversed(full)))
+    )
+    if not fits:
+        shown = (lambda x: x) if layout is None else layout.caller_shape
+        what = (
+            "a trailing 1 for one gate per token, d_phi for one per channel"
+            if per_channel
+            else "one gate per token: a trailing 1"
+        )
+        raise ValueError(
+            f"log_decay must broadcast against the {'mapped ' if per_channel else ''}keys "
+            f"{shown(full)} ({what}), got shape {shown(shape)}"
+        )
+    decay = inputs.to_work_dtype(log_decay)
+    explicit = len(core) + 1  # the token (if any) and channel axes must exist
+    if decay.ndim < explicit:
+        decay = xp.reshape(decay, (1,) * (explicit - decay.ndim) + shape)
+    # A decay never amplifies: every exponential the algorithms form stays <= 1.
+    decay = xp.where(decay > 0.0, 0.0, decay)
     if mask is not None:
         keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
         decay = xp.where(keep, decay, 0.0)
@@ -99,8 +139,7 @@ def pack_log_decay(xp: Any, decay: Any | None, pack: Any) -> Any | None:
 
 def check_normalize(normalize: Any) -> None:
     """``normalize`` must be a bool (an array or a string would be truthy by accident)."""
-    if not isinstance(normalize, bool):
-        raise TypeError(f"normalize must be True or False, got {type(normalize).__name__}")
+    check_flag("normalize", normalize)
 
 
 def standard_log_decay(layout: Any, log_decay: Any) -> Any:
@@ -108,9 +147,7 @@ def standard_log_decay(layout: Any, log_decay: Any) -> Any:
 
     In the default layout it is returned as given (it may have fewer dimensions and broadcast);
     with another ``seq_axis`` an array must have the full rank of ``q`` and its time axis is
-    moved like the inputs' (``to_standard`` names ``log_decay`` if the rank differs).
+    moved like the inputs' (``to_standard`` names ``log_decay`` if the rank differs). Numbers
+    (NumPy scalars too) and 0-d arrays broadcast in any layout and are returned as given.
     """
-    if layout.is_standard or not is_array(log_decay):
-        return log_decay
-    (moved,) = layout.to_standard(log_decay=log_decay)
-    return moved
+    return layout.per_token_to_standard("log_decay", log_decay)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from itertools import pairwise
 from typing import Any
 
+from ._decay import check_log_decay as _check_log_decay
 from ._layout import SequenceLayout
 from ._policy import is_array, is_tracer
 from ._prepare import finish
@@ -31,15 +32,10 @@ from ._validation import (
 from ._varlen import length_mask, pack, unpack
 
 __all__ = [
-    "LOG_DECAY_BOUNDS",
     "check_log_decay",
     "check_scale",
-    "in_standard_layout",
     "run_sequences",
 ]
-
-#: Python-float log decays must lie here: a decay never amplifies the state.
-LOG_DECAY_BOUNDS = (-math.inf, 0.0)
 
 #: ``algorithm(arrays, S) -> (out, S)``: one form on validated arrays (module docstring).
 Algorithm = Callable[[list[Any], Any], tuple[Any, Any]]
@@ -59,46 +55,31 @@ def check_scale(scale: Any) -> float:
     return float(scale)
 
 
-def in_standard_layout(layout: SequenceLayout, name: str, x: Any) -> Any:
-    """A per-token array given in the inputs' layout, with its time axis moved to -2.
-
-    With a non-default ``seq_axis`` the array must have the rank of ``q`` (size-1 axes
-    broadcast): a lower rank would not say which axis is T.
-    """
-    if layout.is_standard or x is None or isinstance(x, (int, float)):
-        return x
-    return layout.to_standard(**{name: x})[0]
-
-
 def check_log_decay(
     inputs: AttentionInputs,
     log_decay: Any,
     shape: tuple,
     *,
-    name: str = "log_decay",
     channels: int | None = None,
+    layout: SequenceLayout | None = None,
 ) -> Any | None:
-    """A log decay as an array of ``shape`` (last axis 1) in the work dtype, values above 0 as 0.
+    """A log decay as an array of ``shape`` (last axis 1) in the work dtype, or ``None``.
 
-    With ``channels`` (``d_k``) an array whose last axis has that size is one decay per key
-    channel: the result then has ``channels`` as its last axis.
+    The policy of every entry point (``_decay.check_log_decay``): a number above 0 is an error,
+    array values above 0 are taken as 0. With ``channels`` (``d_k``) an array whose last axis
+    has that size is one decay per key channel: the result then has ``channels`` as its last
+    axis. ``shape`` is ``(..., T, 1)``, or ``(..., 1)`` for one decoding step.
     """
-    if log_decay is None:
-        return None
-    if channels is not None and is_array(log_decay) and getattr(log_decay, "ndim", 0) >= 1:
-        width = log_decay.shape[-1]
-        if width == channels:
-            shape = (*shape[:-1], channels)
-        elif width != 1:
-            raise ValueError(
-                f"{name} must broadcast to a last axis of 1 (one decay per token) or "
-                f"d_k={channels} (one per key channel), got shape {tuple(log_decay.shape)}"
-            )
-    per = "token" if shape[-1] == 1 else "key channel"
-    g = check_coefficient(inputs, log_decay, shape, name=name, bounds=LOG_DECAY_BOUNDS, per=per)
-    # A decay never amplifies: this keeps every exponential the algorithms form <= 1. A
-    # selection rather than ``minimum``, whose gradient is halved where ``g == 0`` on PyTorch.
-    return inputs.xp.where(g > 0.0, 0.0, g)
+    length = None if len(shape) == len(inputs.batch_shape) + 1 else shape[-2]
+    g = _check_log_decay(
+        inputs,
+        log_decay,
+        length=length,
+        d_phi=1 if channels is None else channels,
+        layout=layout,
+        per_channel=channels is not None,
+    )
+    return None if g is None else inputs.xp.broadcast_to(g, (*shape[:-1], g.shape[-1]))
 
 
 def run_sequences(

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ._ops import broadcast_shape, causal_mask, concat_leading, matmul, stack_leading
-from ._policy import cumulative_sum, device, unstack
+from ._policy import cumulative_sum, device, splits_chunks_on_concat, unstack
 
 __all__ = [
     "IntraChunk",
@@ -92,12 +92,28 @@ def _join(xp: Any, x: Any) -> Any:
 def _joined(xp: Any, first: Any, second: Any) -> Any:
     """The halves ``(..., pairs, h, w)`` of each block joined back to ``(..., C, w)``, their
     leading dimensions broadcast (a grouped gate decays one half per group)."""
+    if splits_chunks_on_concat(first):
+        # Dask gives a stack one chunk per piece: after the last level, one per token. One
+        # selection between broadcasts keeps each block whole.
+        lower = (xp.arange(2, device=device(first)) == 1)[:, None, None]  # (half, token, w)
+        return _join(xp, xp.where(lower, second[..., None, :, :], first[..., None, :, :]))
     return _join(xp, stack_leading(xp, [first, second], axis=-3))
 
 
 def _merge(xp: Any, upper: Any, corner: Any, lower: Any, zeros: Any) -> Any:
     """``[[upper, 0], [corner, lower]]`` for blocks ``(..., h, h)`` (leading dimensions
     broadcast: a grouped gate makes the corners per group before the diagonal blocks are)."""
+    if splits_chunks_on_concat(upper):
+        # Dask gives a concatenation one chunk per piece: C^2 chunks per chunk after the last
+        # level. The quadrants, (..., 2(i), h(t), 2(j), h(s)), are one selection instead.
+        half = xp.arange(2, device=device(upper))
+        i, j = half[:, None, None, None], half[:, None]
+        upper, corner, lower = (x[..., None, :, None, :] for x in (upper, corner, lower))
+        quadrants = xp.where(
+            i == j, xp.where(i == 0, upper, lower), xp.where(i > j, corner, 0.0)
+        )
+        h = quadrants.shape[-1]
+        return xp.reshape(quadrants, (*quadrants.shape[:-4], 2 * h, 2 * h))
     top = concat_leading(xp, [upper, zeros], axis=-1)
     return concat_leading(xp, [top, concat_leading(xp, [corner, lower], axis=-1)], axis=-2)
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, NamedTuple
 
-from ._policy import is_tracer
-from ._validation import namespace_of
+from ._policy import is_array, is_tracer
+from ._validation import is_real_number, namespace_of
 
 __all__ = ["DEFAULT_SEQ_AXIS", "SequenceLayout", "standard_layout"]
 
@@ -90,6 +90,28 @@ class SequenceLayout(NamedTuple):
                 )
             moved.append(xp.permute_dims(x, self._order()))
         return tuple(moved)
+
+    def per_token_to_standard(self, name: str, x: Any) -> Any:
+        """A per-token argument (``log_decay``, ``beta``) in the caller's layout, moved like
+        the inputs.
+
+        ``None``, numbers (NumPy scalars too), 0-d arrays and anything that is not an array
+        (the argument's own check names it) are returned as given: a number or a 0-d array
+        broadcasts in any layout. Any other array must have the full rank of ``q``.
+        """
+        if self.is_standard or x is None or is_real_number(x) or not is_array(x) or x.ndim == 0:
+            return x
+        return self.to_standard(**{name: x})[0]
+
+    def caller_shape(self, shape: tuple) -> tuple:
+        """A shape in the standard layout as the caller sees it (the time axis back in place);
+        a shape of another rank than the inputs' is returned as given."""
+        if self.is_standard or len(shape) != self.ndim:
+            return tuple(shape)
+        caller = [None] * self.ndim
+        for standard, original in enumerate(self._order()):
+            caller[original] = shape[standard]
+        return tuple(caller)
 
     def restore(self, x: Any) -> Any:
         """An output ``(..., T, d)`` in the standard layout, back in the callers' layout."""

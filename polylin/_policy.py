@@ -38,6 +38,8 @@ __all__ = [
     "materialized",
     "native_elu_plus_one",
     "outside_graph",
+    "rows_in_whole_chunks",
+    "splits_chunks_on_concat",
     "stacked_qr",
     "unstack",
     "unsupported_array",
@@ -231,6 +233,33 @@ def materialized(x: Any) -> Any:
     if _torch_namespace(x) is not None:
         return x
     return x.persist() if array_api_compat.is_dask_array(x) else x
+
+
+def splits_chunks_on_concat(x: Any) -> bool:
+    """Whether ``x`` is a Dask array: a concatenation gives it one chunk per piece.
+
+    An array assembled from pieces level by level (the per-channel scores of a chunk) would
+    then end with one chunk, and tasks, per smallest piece; such code places its pieces by
+    selection instead. Elsewhere concatenation is the cheaper way (its backward is a slice).
+    """
+    return _torch_namespace(x) is None and array_api_compat.is_dask_array(x)
+
+
+def rows_in_whole_chunks(x: Any, rows: int) -> Any:
+    """``x`` with its Dask chunks along axis -2 whole multiples of ``rows``; else ``x`` itself.
+
+    The chunked forms reshape the sequence axis into ``(chunks, rows)``. A Dask chunk boundary
+    inside a chunk of ``rows`` (the zero padding of a short last chunk is concatenated, and
+    makes one) would be carried into every reshape after it, splitting each level of the
+    per-channel scores into ever smaller pieces: thousands of tasks for a few rows.
+    """
+    if _torch_namespace(x) is not None or not array_api_compat.is_dask_array(x):
+        return x
+    axis = x.ndim - 2
+    sizes = x.chunks[axis]
+    if all(size % rows == 0 for size in sizes):
+        return x
+    return x.rechunk({axis: rows * max(1, -(-max(sizes) // rows))})
 
 
 def compiled(

@@ -27,12 +27,14 @@ __all__ = [
     "broadcast_shapes",
     "check_coefficient",
     "check_cu_seqlens",
+    "check_flag",
     "check_mask",
     "check_matrix_state",
     "check_options",
     "check_qkv",
     "check_state",
     "check_token_mask",
+    "is_real_number",
     "namespace_of",
     "work_dtype_for",
 ]
@@ -94,6 +96,15 @@ def _other_device(device: Any, x: Any) -> bool:
     """
     other = device_of(x)
     return device is not None and other is not None and other != device
+
+
+def is_real_number(x: Any) -> bool:
+    """Whether ``x`` is a real number (Python or NumPy scalar), not a bool and not an array.
+
+    NumPy scalars are arrays to array-api-compat, but a caller means a number: they broadcast
+    whatever the layout, and are checked like Python numbers.
+    """
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check_device(xp: Any, device: Any, first: str, **arrays: Any) -> None:
@@ -204,6 +215,15 @@ def _static(name: str, value: Any) -> None:
         )
 
 
+def check_flag(name: str, value: Any) -> None:
+    """A boolean option must be a Python bool: an array, a string or ``None`` would be truthy or
+    falsy by accident, and a JAX tracer (the option passed as an argument of a jitted function)
+    has no truth value until the function runs."""
+    _static(name, value)
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+
+
 def check_options(
     *, eps: Any, chunk_size: Any = NOT_GIVEN, inputs: AttentionInputs | None = None
 ) -> Options:
@@ -306,6 +326,11 @@ def check_mask(
         expected = f"(T,) = {full}"
     elif n_lead == 1 and axis == 1:
         expected = f"(batch, T) = {full} (size-1 axes broadcast)"
+    elif n_lead == 1:  # (T, batch, d) inputs: the full-rank mask would be 2-D, read (batch, T)
+        expected = (
+            f"(batch, T) = {(batch[0], length)} (size-1 axes broadcast): a 2-D mask always "
+            "means (batch, T), whatever seq_axis (transpose a (T, batch) mask)"
+        )
     else:
         expected = (
             f"(batch, T) = {(batch[0], length)} or the shape of the inputs without their "
@@ -366,6 +391,7 @@ def check_state(
     if namespace_of(**{f"{name}.S": S, f"{name}.z": z}) is not xp:
         raise TypeError(f"{name} must hold arrays of the same library as q")
     for part, x in (("S", S), ("z", z)):
+        _check_known_shape(f"{name}.{part}", x)
         if _other_device(inputs.device, x):
             raise ValueError(
                 f"{name}.{part} is on device {device_of(x)} but q is on device {inputs.device}"
@@ -395,11 +421,7 @@ def check_state(
             and token_shape[-2:-1] == (1,)
             and S_shape[:-2] == tuple(token_shape[:-2])
         ):
-            raise ValueError(
-                f"q_t must have shape (..., d) for one token (no T axis), got {token_shape} "
-                f"for a state with leading dimensions {S_shape[:-2]}: drop the length-1 T axis "
-                "(q_t[..., 0, :], and the same for k_t and v_t)"
-            )
+            raise _token_with_time_axis(token_shape, S_shape)
         if S_shape[:-2] == batch_shape and len(S_shape) == len(want) and S_shape[-1] == d_v:
             if S_shape[-2] != d_phi:
                 raise ValueError(
@@ -421,11 +443,29 @@ def check_state(
     return S, z
 
 
-def check_matrix_state(inputs: AttentionInputs, state: Any, shape: tuple, *, name: str) -> Any:
+def _token_with_time_axis(token_shape: tuple, state_shape: tuple) -> ValueError:
+    """The error for a decoding token that still has its length-1 T axis."""
+    return ValueError(
+        f"q_t must have shape (..., d) for one token (no T axis), got {token_shape} "
+        f"for a state with leading dimensions {state_shape[:-2]}: drop the length-1 T axis "
+        "(q_t[..., 0, :], and the same for k_t and v_t)"
+    )
+
+
+def check_matrix_state(
+    inputs: AttentionInputs,
+    state: Any,
+    shape: tuple,
+    *,
+    name: str,
+    token_shape: tuple | None = None,
+) -> Any:
     """Return a state that is one array ``S`` (the delta rule's) in the work dtype.
 
     ``None`` gives zeros of ``shape``; anything else must be an array of the library and device
     of ``q``, in the work dtype (float32 for 16-bit inputs) and of exactly ``shape``.
+    ``token_shape`` (the shape of ``q_t`` in a decoding step) lets a shape error say that the
+    token still has its length-1 T axis, as :func:`check_state` does.
     """
     xp = inputs.xp
     if state is None:
@@ -448,8 +488,12 @@ def check_matrix_state(inputs: AttentionInputs, state: Any, shape: tuple, *, nam
             f"{name} has dtype {state.dtype} but inputs of dtype {inputs.dtype} are computed in "
             f"{inputs.work_dtype}; pass a state of that dtype (the one polylin returns)"
         )
-    if tuple(state.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(state.shape)}")
+    _check_known_shape(name, state)
+    got = tuple(state.shape)
+    if got != shape:
+        if token_shape is not None and token_shape[-2:-1] == (1,) and got[:-2] == token_shape[:-2]:
+            raise _token_with_time_axis(token_shape, got)
+        raise ValueError(f"{name} must have shape {shape}, got {got}")
     return state
 
 
@@ -461,16 +505,18 @@ def check_coefficient(
     name: str,
     bounds: tuple[float, float],
     per: str = "token",
+    layout: SequenceLayout | None = None,
 ) -> Any:
-    """A per-token scalar (a learning rate, a log decay) as an array of ``shape`` (work dtype).
+    """A per-token scalar (a learning rate) as an array of ``shape`` (work dtype).
 
-    ``x`` is a Python real number, which must lie in ``bounds`` (inclusive), or an array of the
-    library, device and dtype of ``q`` that broadcasts to ``shape`` (whose last axis is 1, or
-    the number of key channels for a coefficient ``per="key channel"``).
-    Array values are not checked: that would read data (lazy and accelerator backends).
+    ``x`` is a real number (Python or NumPy scalar), which must lie in ``bounds`` (inclusive),
+    or an array of the library, device and dtype of ``q`` that broadcasts to ``shape`` (whose
+    last axis is 1, or the number of key channels for a coefficient ``per="key channel"``).
+    Array values are used as given: checking them would read data (lazy and accelerator
+    backends). ``layout`` is the caller's: shapes in messages are shown in it.
     """
     xp = inputs.xp
-    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+    if is_real_number(x):
         low, high = bounds
         value = float(x)
         if not (math.isfinite(value) and low <= value <= high):  # also refuses nan and inf
@@ -484,13 +530,15 @@ def check_coefficient(
         raise ValueError(f"{name} is on device {device_of(x)} but q is on device {inputs.device}")
     if x.dtype != inputs.dtype:
         raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {inputs.dtype}")
+    _check_known_shape(name, x)
     got = tuple(x.shape)
     if len(got) > len(shape) or not all(
         m in (1, f) for m, f in zip(reversed(got), reversed(shape))
     ):
+        shown = (lambda s: s) if layout is None else layout.caller_shape
         raise ValueError(
-            f"{name} must broadcast to {shape} (one value per {per}: last axis {shape[-1]}), "
-            f"got {got}"
+            f"{name} must broadcast to {shown(shape)} (one value per {per}: last axis "
+            f"{shape[-1]}), got {shown(got)}"
         )
     return xp.broadcast_to(inputs.to_work_dtype(x), shape)
 

@@ -17,6 +17,7 @@ from ._state import LinearAttentionState
 from ._typing import Array
 from ._validation import (
     check_cu_seqlens,
+    check_flag,
     check_mask,
     check_method,
     check_options,
@@ -114,8 +115,10 @@ def causal_linear_attention(
         broadcasts against the mapped keys ``(..., T, d_phi)``, with a trailing axis of 1 (one
         gate per token, e.g. ``(heads, 1, 1)`` for a fixed decay per head) or ``d_phi`` (one
         per feature channel). With ``seq_axis`` other than -2 an array has the full rank of
-        ``q``, in the inputs' layout. Positive values (growth) are outside the contract.
-        Gradients flow to it.
+        ``q``, in the inputs' layout (a number or a 0-d array broadcasts in any layout). A decay
+        never amplifies the state: a number above 0 is a ``ValueError``, array values above 0
+        are taken as 0 (their gradient is 0), and ``-inf`` is an exact reset. Gradients flow
+        to it.
     normalize : bool
         Divide by the normalizer ``phi(q_t) . z_t + eps``; ``False`` returns the numerator
         ``phi(q_t) S_t`` (RetNet, GLA and Mamba-2 do not normalize; ``eps`` is then unused).
@@ -136,7 +139,8 @@ def causal_linear_attention(
         or traced under ``jax.jit`` (they must be static).
     ValueError
         Mismatched shapes or devices, a mask that fits neither mask rule, an unknown method,
-        ``chunk_size < 1``, ``eps`` not positive and finite in the work dtype.
+        ``chunk_size < 1``, ``eps`` not positive and finite in the work dtype, a number
+        ``log_decay`` above 0.
 
     Notes
     -----
@@ -170,6 +174,7 @@ def causal_linear_attention(
     chunk_size = chunk_size if checked_chunk_size is None else checked_chunk_size  # an int
     check_method(method, METHODS)
     check_normalize(normalize)
+    check_flag("return_state", return_state)
     xp = inputs.xp
     T = q.shape[-2]
     if cu_seqlens is not None:
@@ -178,7 +183,7 @@ def causal_linear_attention(
         offsets = check_cu_seqlens(cu_seqlens, T)
         max_len = max(b - a for a, b in pairwise(offsets))
         lengths = length_mask(xp, offsets, max_len, inputs.device)
-        decay = check_log_decay(inputs, log_decay, length=T, d_phi=None)
+        decay = check_log_decay(inputs, log_decay, length=T, d_phi=None, layout=layout)
         packed_q, packed_k, packed_v = (pack(xp, x, offsets, max_len) for x in (q, k, v))
         out, state = causal_linear_attention(
             packed_q,
@@ -217,7 +222,9 @@ def causal_linear_attention(
     S, z = check_state(
         inputs, initial_state, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
     )
-    decay = check_log_decay(inputs, log_decay, length=T, d_phi=fq.shape[-1], mask=mask)
+    decay = check_log_decay(
+        inputs, log_decay, length=T, d_phi=fq.shape[-1], mask=mask, layout=layout
+    )
     if T == 0:  # the new state must not be the caller's own arrays
         S, z = xp.asarray(S, copy=True), xp.asarray(z, copy=True)
     if method == "chunked":
@@ -357,7 +364,8 @@ def masked_kernel_attention(
     seq_axis : int
         The axis of T in ``q``, ``k`` and ``v`` (default -2); the output keeps the layout.
     log_decay : float or array, optional
-        Log decay ``g_t <= 0``, as in :func:`causal_linear_attention`; needs ``causal=True``.
+        Log decay ``g_t <= 0``, as in :func:`causal_linear_attention` (array values above 0
+        are taken as 0); needs ``causal=True``.
     normalize : bool
         Divide by ``A 1 + eps``; ``False`` returns ``A V``.
 
@@ -387,6 +395,7 @@ def masked_kernel_attention(
     """
     layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     log_decay = standard_log_decay(layout, log_decay)
+    check_flag("causal", causal)  # before check_qkv, which branches on it
     inputs = check_qkv(q, k, v, causal=causal)
     eps, _ = check_options(eps=eps, inputs=inputs)
     check_normalize(normalize)
@@ -395,7 +404,9 @@ def masked_kernel_attention(
     fq, fk = apply_feature_map(inputs, feature_map, q, k)
     v = inputs.to_work_dtype(v)
     S, z = check_state(inputs, None, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="state")
-    decay = check_log_decay(inputs, log_decay, length=k.shape[-2], d_phi=fq.shape[-1])
+    decay = check_log_decay(
+        inputs, log_decay, length=k.shape[-2], d_phi=fq.shape[-1], layout=layout
+    )
     out, _, _ = quadratic(
         inputs.xp, fq, fk, v, S, z, causal=causal, eps=eps, log_decay=decay, normalize=normalize
     )

@@ -57,8 +57,10 @@ def step(
         ``v_t`` hold there: finished sequences in a batch, continuous batching.
     log_decay : float or array, optional
         Log decay ``g_t <= 0`` of this token: the state decays by ``exp(g_t)`` before the
-        token is added. A float or an array broadcasting against ``(..., d_phi)`` (trailing 1:
-        a scalar gate, ``d_phi``: per channel); see :doc:`/decay`.
+        token is added. A number or an array broadcasting against ``(..., d_phi)`` (trailing 1:
+        a scalar gate, ``d_phi``: per channel); a number above 0 is an error, array values
+        above 0 are taken as 0, as in :func:`~polylin.causal_linear_attention`; see
+        :doc:`/decay`.
     normalize : bool
         Divide by ``phi(q_t) . z_t + eps``; ``False`` returns ``phi(q_t) S_t``.
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ._delta import delta_chunked, delta_recurrent, delta_step
 from ._delta_quadratic import delta_quadratic
-from ._entry import check_log_decay, check_scale, in_standard_layout, run_sequences
+from ._entry import check_log_decay, check_scale, run_sequences
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._ops import l2_normalize
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
@@ -20,6 +20,7 @@ from ._prepare import finish
 from ._typing import Array
 from ._validation import (
     check_coefficient,
+    check_flag,
     check_matrix_state,
     check_method,
     check_options,
@@ -105,13 +106,17 @@ def delta_rule_attention(
         are ``q, k`` of ``(B, H, 1, T, d_k)`` and ``v`` of ``(B, H, G, T, d_v)``, computed
         without copying ``q`` or ``k`` per group.
     beta : float or array
-        The learning rate per token: a Python float in ``[0, 2]`` (usually in ``(0, 1]``) or an
-        array of the dtype of ``q`` broadcastable to ``(..., T, 1)``.
+        The learning rate per token: a number in ``[0, 2]`` (usually in ``(0, 1]``; Python or
+        NumPy scalar) or an array of the dtype of ``q`` broadcastable to ``(..., T, 1)``, whose
+        values are used as given (outside ``[0, 2]`` the recurrence itself is unstable, in
+        every method alike).
     log_decay : float or array, optional
-        The log decay ``g_t <= 0``: ``None`` (no decay), a Python float, or an array of the
-        dtype of ``q`` broadcastable to ``(..., T, 1)`` (one gate per token, e.g.
-        ``-softplus(x)``) or to ``(..., T, d_k)`` (one gate per key channel). Values above 0
-        are taken as 0 (a decay never amplifies the state); ``-inf`` resets the state.
+        ``log a_t <= 0``: ``None`` (no decay), a number, or a real floating array
+        broadcastable to ``(..., T, 1)`` (one gate per token, e.g. ``-softplus(x)``) or to
+        ``(..., T, d_k)`` (one gate per key channel). A decay never amplifies the state: a
+        number above 0 is a ``ValueError``, array values above 0 are taken as 0 (the policy of
+        every entry point; see the docs page "Numerics and non-finite values"); ``-inf``
+        resets the state.
     scale : float
         Multiplies the (normalized) queries: ``o_t = scale * S_t^T q_t`` (models use
         ``d_k ** -0.5``). A finite real number.
@@ -191,14 +196,17 @@ def delta_rule_attention(
     chunk_size = int(chunk_size)
     check_method(method, DELTA_METHODS)
     scale = _check_scale_and_norm(scale, qk_l2norm)
-    beta = in_standard_layout(layout, "beta", beta)
-    log_decay = in_standard_layout(layout, "log_decay", log_decay)
+    beta = layout.per_token_to_standard("beta", beta)
+    log_decay = layout.per_token_to_standard("log_decay", log_decay)
     xp = inputs.xp
     batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]
     per_token = (*batch, T, 1)
     arrays = [inputs.to_work_dtype(x) for x in (q, k, v)]
-    arrays.append(check_coefficient(inputs, beta, per_token, name="beta", bounds=_BETA_BOUNDS))
-    g = check_log_decay(inputs, log_decay, per_token, channels=d_k)
+    check_flag("return_state", return_state)
+    arrays.append(
+        check_coefficient(inputs, beta, per_token, name="beta", bounds=_BETA_BOUNDS, layout=layout)
+    )
+    g = check_log_decay(inputs, log_decay, per_token, channels=d_k, layout=layout)
     if g is not None:
         arrays.append(g)
     # A masked token has every input selected to 0: beta = 0 (it writes nothing) and log decay
@@ -249,9 +257,9 @@ def delta_rule_step(
     state : array, optional
         The state ``S`` before this token, shape ``(..., d_k, d_v)``; ``None`` starts from zeros.
     log_decay : float or array, optional
-        ``g_t <= 0`` of this token: ``None``, a Python float, or an array broadcastable to
-        ``(..., 1)`` (one gate) or ``(..., d_k)`` (one per key channel); values above 0 are
-        taken as 0, ``-inf`` resets the state.
+        ``log a_t <= 0`` of this token: ``None``, a number, or an array broadcastable to
+        ``(..., 1)`` (one gate) or ``(..., d_k)`` (one per key channel); a number above 0 is an
+        error, array values above 0 are taken as 0, ``-inf`` resets the state.
     scale : float
         Multiplies the (normalized) query: ``o_t = scale * S_t^T q_t``.
     qk_l2norm : bool
@@ -295,7 +303,9 @@ def delta_rule_step(
     beta = check_coefficient(inputs, beta_t, (*batch, 1), name="beta_t", bounds=_BETA_BOUNDS)
     g = check_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
     scale = _check_scale_and_norm(scale, qk_l2norm)
-    S = check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
+    S = check_matrix_state(
+        inputs, state, (*batch, d_k, d_v), name="state", token_shape=tuple(q_t.shape)
+    )
     q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
     if qk_l2norm:
         q, k = l2_normalize(xp, q), l2_normalize(xp, k)

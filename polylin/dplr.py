@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._dplr import dplr_chunked, dplr_quadratic, dplr_recurrent, dplr_step
-from ._entry import check_log_decay, check_scale, in_standard_layout, run_sequences
+from ._entry import check_log_decay, check_scale, run_sequences
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, is_array
 from ._prepare import finish
@@ -177,7 +177,7 @@ def dplr_delta_rule(
     chunk_size = int(chunk_size)
     check_method(method, DPLR_METHODS)
     scale = check_scale(scale)
-    log_decay = in_standard_layout(layout, "log_decay", log_decay)
+    log_decay = layout.per_token_to_standard("log_decay", log_decay)
     xp = inputs.xp
     batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]
     keys = (*batch, T, d_k)

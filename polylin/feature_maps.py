@@ -113,15 +113,14 @@ def elu_plus_one(x: Array, /) -> Array:
     if native is not None:
         return native
     xp = array_namespace(x)
-    # exp(min(x, 0)) + max(x, 0), written with h = x / 2 and m = |x| / 2: h - m is min(x, 0) and
-    # h + m is max(x, 0), both exactly (halving and doubling are exact, and neither overflows).
-    # Not where(x > 0, x + 1, exp(x)): the discarded branch of a where still overflows for large
-    # x and poisons gradients with inf * 0 = nan. Not minimum/maximum either: their backward is
-    # about 3x slower on PyTorch CPU (docs/performance.md, "Training"). abs of x itself, not of
-    # h: autograd then saves x, which the caller keeps anyway, rather than a new array.
-    half = x * 0.5
-    magnitude = xp.abs(x) * 0.5
-    return xp.exp(half - magnitude) + (half + magnitude)
+    # exp(min(x, 0)) + max(x, 0): exp only ever sees values <= 0 (no overflow; not
+    # where(x > 0, x + 1, exp(x)), whose discarded exp(x) overflows and poisons gradients with
+    # inf * 0 = nan), and the limits at -inf and +inf are exactly 0 and inf (a sum of the halves
+    # x / 2 -+ |x| / 2 was inf - inf = nan there). At x = 0 JAX and PyTorch give each of
+    # minimum and maximum half the gradient: the derivative is 1, as on either side. The zero
+    # is a 0-d array (see _zero). A PyTorch tensor was answered above by its autograd function.
+    zero = _zero(xp, x)
+    return xp.exp(xp.minimum(x, zero)) + xp.maximum(x, zero)
 
 
 def relu(x: Array, /) -> Array:
@@ -273,7 +272,14 @@ class DPFPFeatureMap:
         xp = array_namespace(x)
         zero = _zero(xp, x)
         r = xp.concat([xp.maximum(x, zero), xp.maximum(-x, zero)], axis=-1)
-        return xp.concat([r * xp.roll(r, shift=j, axis=-1) for j in range(1, self.nu + 1)], axis=-1)
+        # A product with a zero factor is 0 even where the other is inf (x = +-inf): selected,
+        # since inf * 0 is nan.
+        nonzero = r > 0
+        products = []
+        for j in range(1, self.nu + 1):
+            both = nonzero & xp.roll(nonzero, shift=j, axis=-1)
+            products.append(xp.where(both, r * xp.roll(r, shift=j, axis=-1), zero))
+        return xp.concat(products, axis=-1)
 
 
 def dpfp(nu: int = 1) -> DPFPFeatureMap:

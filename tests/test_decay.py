@@ -364,8 +364,8 @@ def test_mamba2_ssd_equals_naive_selective_scan(backend, rng):
 @pytest.mark.parametrize(
     ("log_decay", "error", "match"),
     [
-        (0.5, ValueError, "log_decay must be <= 0"),
-        (float("nan"), ValueError, "log_decay must be <= 0"),
+        (0.5, ValueError, "log_decay must be a finite number <= 0"),
+        (float("nan"), ValueError, "log_decay must be a finite number <= 0"),
         (True, TypeError, "log_decay must be None"),
         ("fast", TypeError, "log_decay must be None"),
         (np.zeros((B, H, 7, 1)), ValueError, "broadcast against the mapped keys"),

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._decay import check_log_decay_number
 from .._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from .._state import LinearAttentionState
+from .._validation import is_real_number
 from ..attention import METHODS, causal_linear_attention, linear_attention
 from ..decoding import step as _step
 
@@ -182,7 +184,8 @@ class LinearAttention(nn.Module):
         torch.Tensor or None
             ``None`` here. An override returns ``g`` of shape ``(*x.shape[:-1], num_heads)``
             or broadcastable to it: ``(num_heads,)`` for a fixed decay per head, or computed
-            from ``x`` for a gate per token.
+            from ``x`` for a gate per token. As for the functions, values above 0 are taken
+            as 0, and a number above 0 is a ``ValueError``.
 
         Examples
         --------
@@ -201,12 +204,27 @@ class LinearAttention(nn.Module):
                 f"{name} must have shape {layout} with embed_dim={self.embed_dim}, "
                 f"got {tuple(x.shape)}"
             )
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype:
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but the layer's weights have dtype {weight.dtype}; "
+                f"convert the input ({name}.to({weight.dtype})) or the layer "
+                f"(layer.to({x.dtype}))"
+            )
+        if x.device != weight.device:
+            raise ValueError(
+                f"{name} is on device {x.device} but the layer's weights are on {weight.device}; "
+                f"move the input ({name}.to({str(weight.device)!r})) or the layer "
+                f"(layer.to({str(x.device)!r}))"
+            )
 
     def _decay_options(self, x: torch.Tensor) -> dict[str, Any]:
         """The hook's gates laid out as the functions take them: ``(batch, heads, [T,] 1)``."""
         log_decay = self.log_decay(x)
         if log_decay is None:
             return {}
+        if is_real_number(log_decay):  # the functions' policy: a number above 0 is an error
+            check_log_decay_number(log_decay)
         gates = torch.as_tensor(log_decay, dtype=x.dtype, device=x.device)
         gates = gates.expand(*x.shape[:-1], self.num_heads)
         if x.ndim == 3:  # (batch, T, heads) -> (batch, heads, T)
@@ -263,6 +281,10 @@ class LinearAttention(nn.Module):
         torch.Size([2, 5, 16])
         """
         self._check_input(x, "x", 3, "(batch, T, embed_dim)")
+        if not isinstance(return_state, bool):
+            raise TypeError(
+                f"return_state must be True or False, got {type(return_state).__name__}"
+            )
         batch, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self._heads(x))  # (batch, heads, T, head_dim)
         mask = None
@@ -301,7 +323,9 @@ class LinearAttention(nn.Module):
                 q, k, v, self.feature_map, eps=self.eps, attention_mask=mask,
                 normalize=self.normalize,
             )  # fmt: skip
-        out = self.out_proj(out.transpose(1, 2).reshape(batch, T, -1))
+        # Sizes, not -1: a reshape cannot infer a size from 0 elements (T = 0).
+        inner = self.num_heads * self.head_dim
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, T, inner))
         return (out, new_state) if return_state else out
 
     def step(
@@ -368,4 +392,5 @@ class LinearAttention(nn.Module):
             q_t, k_t, v_t, state, self.feature_map, eps=self.eps, normalize=self.normalize,
             **options,
         )  # fmt: skip
-        return self.out_proj(o_t.reshape(x_t.shape[0], -1)), state
+        inner = self.num_heads * self.head_dim
+        return self.out_proj(o_t.reshape(x_t.shape[0], inner)), state
