@@ -20,11 +20,10 @@ from typing import Any
 
 from ._decay import check_log_decay as _check_log_decay
 from ._layout import SequenceLayout
-from ._policy import is_array, is_tracer
+from ._policy import is_tracer
 from ._prepare import finish
 from ._validation import (
     AttentionInputs,
-    check_coefficient,
     check_cu_seqlens,
     check_mask,
     check_matrix_state,

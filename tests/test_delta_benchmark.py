@@ -35,5 +35,5 @@ def test_a_wrong_peer_is_refused():
 
 def test_peak_memory_runs_small():
     out = delta_rule.peak_memory(length=256)
-    assert set(out) == {"grouped_MiB", "repeated_MiB", "grouped_over_repeated"}
-    assert out["repeated_MiB"] > 0
+    for layout in ("grouped", "repeated"):
+        assert out[f"{layout}_saved_MiB"] > 0 and out[f"{layout}_MiB"] >= 0

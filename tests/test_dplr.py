@@ -549,7 +549,7 @@ def test_bfloat16_accumulates_in_float32(rng):
         ({"b": 0.0}, TypeError, "b must be an array"),
         ({"a": np.ones((2, 5, 5))}, ValueError, r"a must broadcast to \(2, 5, 6\)"),
         ({"b": np.ones((2, 5, 6), np.float32)}, TypeError, "b has dtype float32"),
-        ({"log_decay": 0.1}, ValueError, "log_decay must be a finite number in"),
+        ({"log_decay": 0.1}, ValueError, "log_decay must be a finite number <= 0"),
         (
             {"log_decay": np.zeros((2, 5, 3))},
             ValueError,
