@@ -61,7 +61,7 @@ def check_log_decay(
     d_phi: int | None,
     mask: Any | None = None,
     layout: Any | None = None,
-    per_channel: bool = True,
+    channels: str | None = "d_phi",
 ) -> Any | None:
     """Validate ``log_decay`` and return ``None`` or ``(..., T or 1, 1 or d_phi)`` work-dtype.
 
@@ -69,7 +69,9 @@ def check_log_decay(
     ``(..., 1 or d_phi)``); ``d_phi`` the feature size (``None``: not known yet, not checked).
     ``mask`` (``(..., T, 1)``, nonzero or True for real tokens) selects the log decay of masked
     tokens to zero. ``layout`` (a ``SequenceLayout``) is the caller's: shapes in messages are
-    shown in it. ``per_channel=False`` allows a trailing axis of 1 only (one gate per token).
+    shown in it. ``channels`` names the channel axis in messages: ``"d_phi"`` (the mapped keys of
+    linear attention) or ``"d_k"`` (the keys of the delta rules); ``None`` allows a trailing
+    axis of 1 only (one gate per token).
     Array values above 0 are selected to 0 (the module docstring's policy).
     """
     if log_decay is None:
@@ -96,7 +98,7 @@ def check_log_decay(
     _check_known_shape("log_decay", log_decay)
     core = () if length is None else (length,)
     width = d_phi if d_phi is not None else "d_phi"
-    full = (*inputs.batch_shape, *core, width if per_channel else 1)
+    full = (*inputs.batch_shape, *core, width if channels is not None else 1)
     shape = tuple(log_decay.shape)
     fits = len(shape) <= len(full) and all(
         s == 1 or s == f or (f == "d_phi" and i == 0)
@@ -104,14 +106,14 @@ def check_log_decay(
     )
     if not fits:
         shown = (lambda x: x) if layout is None else layout.caller_shape
-        what = (
-            "a trailing 1 for one gate per token, d_phi for one per channel"
-            if per_channel
-            else "one gate per token: a trailing 1"
-        )
+        if channels is None:
+            keys, what = "keys", "one gate per token: a trailing 1"
+        else:
+            keys = "mapped keys" if channels == "d_phi" else "keys"
+            what = f"a trailing 1 for one gate per token, {channels} for one per channel"
         raise ValueError(
-            f"log_decay must broadcast against the {'mapped ' if per_channel else ''}keys "
-            f"{shown(full)} ({what}), got shape {shown(shape)}"
+            f"log_decay must broadcast against the {keys} {shown(full)} ({what}), got shape "
+            f"{shown(shape)}"
         )
     decay = inputs.to_work_dtype(log_decay)
     explicit = len(core) + 1  # the token (if any) and channel axes must exist

@@ -76,7 +76,7 @@ def check_log_decay(
         length=length,
         d_phi=1 if channels is None else channels,
         layout=layout,
-        per_channel=channels is not None,
+        channels=None if channels is None else "d_k",
     )
     return None if g is None else inputs.xp.broadcast_to(g, (*shape[:-1], g.shape[-1]))
 

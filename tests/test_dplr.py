@@ -553,7 +553,7 @@ def test_bfloat16_accumulates_in_float32(rng):
         (
             {"log_decay": np.zeros((2, 5, 3))},
             ValueError,
-            r"log_decay must broadcast to a last axis of 1 .* or d_k=6",
+            r"log_decay must broadcast against the keys \(2, 5, 6\) .*d_k for one per channel",
         ),
         ({"log_decay": np.zeros((2, 4, 6))}, ValueError, "log_decay must broadcast"),
         ({"scale": "1"}, TypeError, "scale must be a real number"),

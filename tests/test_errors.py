@@ -167,7 +167,7 @@ def test_per_token_shapes_in_the_callers_layout():
         delta_rule_attention(x, x, x, bad, seq_axis=1)
     with pytest.raises(
         ValueError,
-        match=r"^log_decay must broadcast against the keys \(2, 5, 3, 1\) .*got shape "
+        match=r"^log_decay must broadcast against the keys \(2, 5, 3, 4\) .*got shape "
         r"\(2, 5, 3, 2\)$",
     ):
         delta_rule_attention(x, x, x, 0.5, log_decay=bad, seq_axis=1)
