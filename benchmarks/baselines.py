@@ -19,7 +19,15 @@ import array_api_compat
 
 from polylin.feature_maps import elu_plus_one
 
-__all__ = ["fla_chunk", "load_fla", "plain_chunked", "sdpa", "seed_loop", "to_fla_layout"]
+__all__ = [
+    "fla_chunk",
+    "fla_naive",
+    "load_fla",
+    "plain_chunked",
+    "sdpa",
+    "seed_loop",
+    "to_fla_layout",
+]
 
 
 def seed_loop(q: Any, k: Any, v: Any, eps: float = 1e-6) -> Any:
@@ -172,3 +180,25 @@ def fla_chunk(chunk_linear_attn: Any, q: Any, k: Any, v: Any) -> Any:
 def to_fla_layout(x: Any) -> Any:
     """``(B, H, T, D)`` to fla's ``(B, T, H, D)`` (and back: the same swap)."""
     return x.transpose(1, 2).contiguous()
+
+
+def fla_naive(family: str) -> Any:
+    """flash-linear-attention's pure-PyTorch reference ``fla/ops/<family>/naive.py`` as a module,
+    loaded from its file: importing the package loads its Triton kernels, which have no CPU
+    build. ``family`` is a path below ``fla/ops`` (``"kda"``,
+    ``"generalized_delta_rule/dplr"``). ``ImportError`` without fla-core (the bench extra pins
+    it).
+    """
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("fla-core is not installed (the bench extra pins fla-core==0.6.0)")
+    path = Path(spec.submodule_search_locations[0]) / "ops" / family / "naive.py"
+    name = "fla_naive_" + family.replace("/", "_")
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module

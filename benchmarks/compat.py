@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import importlib.util
 import json
 import statistics
 import sys
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.baselines import fla_naive
 from polylin.compat import fla
 from polylin.compat.transformers import use_polylin, use_transformers_fallback
 
@@ -173,16 +173,6 @@ def progress(r: dict) -> None:
     )
 
 
-def fla_naive(family: str) -> Any:
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("fla-core is not installed (the bench extra pins fla-core==0.6.0)")
-    path = Path(spec.submodule_search_locations[0]) / "ops" / family / "naive.py"
-    module_spec = importlib.util.spec_from_file_location(f"fla_naive_{family}", path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 #: The compat chunk functions timed against fla's naive form of the same op.

@@ -43,8 +43,13 @@ from typing import Any
 
 import torch
 
-import polylin
-from polylin import causal_linear_attention, delta_rule_attention
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and polylin
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.baselines import fla_naive  # noqa: E402
+from benchmarks.timing import run_metadata  # noqa: E402
+from polylin import causal_linear_attention, delta_rule_attention  # noqa: E402
 
 BATCH, HEADS, D = 2, 4, 64
 
@@ -139,20 +144,6 @@ def forward_backward(repeats: int, chunk: dict[str, int]) -> dict[str, float]:
     return interleaved(calls, repeats)
 
 
-def _fla_naive(family: str) -> Any:
-    """flash-linear-attention's ``fla/ops/<family>/naive.py``, loaded from its file: the package
-    itself imports Triton, which has no CPU build here."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("fla (pip install fla-core) is not installed")
-    path = Path(spec.submodule_search_locations[0]) / "ops" / family / "naive.py"
-    module_spec = importlib.util.spec_from_file_location(f"fla_{family}_naive", path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 def _transformers(model: str, name: str) -> Callable[..., Any]:
@@ -179,8 +170,8 @@ def peer_calls() -> tuple[dict[str, Callable[..., Any]], dict[str, str]]:
     loaders: dict[str, Callable[[], Callable[..., Any]]] = {
         "transformers_gdn": lambda: _transformers("qwen3_next", "torch_chunk_gated_delta_rule"),
         "transformers_kda": lambda: _transformers("kimi_linear", "chunk_kimi_delta_attention"),
-        "fla_naive_gdn": lambda: _fla_naive("gated_delta_rule").naive_chunk_gated_delta_rule,
-        "fla_naive_kda": lambda: _fla_naive("kda").naive_chunk_kda,
+        "fla_naive_gdn": lambda: fla_naive("gated_delta_rule").naive_chunk_gated_delta_rule,
+        "fla_naive_kda": lambda: fla_naive("kda").naive_chunk_kda,
     }
     for name, load in loaders.items():
         try:
@@ -374,26 +365,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.memory:
         extra["memory"] = peak_memory()
-    load = os.getloadavg()
-    meta = {
-        "polylin": polylin.__version__,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "loadavg_1m": round(load[0], 1),
-        "shape": f"batch {BATCH} x heads {HEADS}, d_k = d_v = {D}, float32",
-        "chunk_size": args.chunk_size
+    meta = run_metadata(
+        " ".join(sys.argv),
+        shape=f"batch {BATCH} x heads {HEADS}, d_k = d_v = {D}, float32",
+        chunk_size=args.chunk_size
         or inspect.signature(delta_rule_attention).parameters["chunk_size"].default,
-        "repeats": args.repeats,
-    }
+        repeats=args.repeats,
+    )
     print(f"{'ratio of medians':60s} " + " ".join(f"{c:>7s}" for c in CLOCKS))
     for name, value in ratios.items():
         print(f"{name:60s} " + " ".join(f"{value[c]:7.2f}" for c in CLOCKS))
     for name, value in extra.items():
         print(f"{name}: {json.dumps(value)}")
     print(
-        f"(delta rule chunk {meta['chunk_size']}, {meta['threads']} threads, "
-        f"load average {meta['loadavg_1m']})"
+        f"(delta rule chunk {meta['chunk_size']}, {meta['torch_threads']} threads, "
+        f"load average {meta['load_average_start'][0]:.1f})"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -22,10 +22,8 @@ time, user + system CPU time of the process; see ``benchmarks/delta_rule.py``):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,8 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import polylin  # noqa: E402
+from benchmarks.baselines import fla_naive  # noqa: E402
 from benchmarks.delta_rule import CLOCKS, interleaved  # noqa: E402
+from benchmarks.timing import run_metadata  # noqa: E402
 from polylin import delta_rule_attention, dplr_delta_rule  # noqa: E402
 
 BATCH, HEADS, D = 2, 4, 64
@@ -44,16 +43,12 @@ FLA_CHUNK = 32
 
 
 def fla_dplr_chunkwise() -> Any:
-    """fla's ``dplr_chunkwise`` from ``fla/ops/generalized_delta_rule/dplr/naive.py``, loaded by
-    path (importing the package loads its Triton kernels); ``None`` without fla-core."""
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
+    """fla's ``dplr_chunkwise`` (``fla/ops/generalized_delta_rule/dplr/naive.py``); ``None``
+    without fla-core."""
+    try:
+        return fla_naive("generalized_delta_rule/dplr").dplr_chunkwise
+    except ImportError:
         return None
-    path = Path(spec.submodule_search_locations[0]) / "ops/generalized_delta_rule/dplr/naive.py"
-    module_spec = importlib.util.spec_from_file_location("fla_dplr_naive", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.dplr_chunkwise
 
 
 def rwkv7_inputs(length: int, *, grad: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -219,26 +214,21 @@ def main(argv: list[str] | None = None) -> int:
         for name, (a, b) in pairs.items()
         if a in times and b in times
     }
-    load = os.getloadavg()
-    meta = {
-        "polylin": polylin.__version__,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "loadavg_1m": round(load[0], 1),
-        "shape": f"batch {BATCH} x heads {HEADS}, d_k = d_v = {D}, float32",
-        "chunk_size": args.chunk_size
+    meta = run_metadata(
+        " ".join(sys.argv),
+        shape=f"batch {BATCH} x heads {HEADS}, d_k = d_v = {D}, float32",
+        chunk_size=args.chunk_size
         or inspect.signature(dplr_delta_rule).parameters["chunk_size"].default,
-        "fla_chunk": FLA_CHUNK,
-        "fla_vs_polylin_max_relative_difference": peer_error,
-        "repeats": args.repeats,
-    }
+        fla_chunk=FLA_CHUNK,
+        fla_vs_polylin_max_relative_difference=peer_error,
+        repeats=args.repeats,
+    )
     print(f"{'ratio of medians':56s} " + " ".join(f"{c:>7s}" for c in CLOCKS))
     for name, value in ratios.items():
         print(f"{name:56s} " + " ".join(f"{value[c]:7.2f}" for c in CLOCKS))
     print(
-        f"(polylin chunk {meta['chunk_size']}, {meta['threads']} threads, load average "
-        f"{meta['loadavg_1m']}, fla checked: {peer_error})"
+        f"(polylin chunk {meta['chunk_size']}, {meta['torch_threads']} threads, load average "
+        f"{meta['load_average_start'][0]:.1f}, fla checked: {peer_error})"
     )
     if args.json:
         with open(args.json, "w") as f:

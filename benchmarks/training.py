@@ -221,28 +221,16 @@ def fast_transformers_causal(q, k, v, eps=1e-6):
     return numerator / ((Q * K.cumsum(1)).sum(-1, keepdim=True) + eps)
 
 
-def _fla_naive():
-    """flash-linear-attention's chunk reference, ``fla/ops/linear_attn/naive.py``, loaded from its
-    file: the package itself imports Triton, which has no CPU build here."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("fla (pip install fla-core) is not installed")
-    path = Path(spec.submodule_search_locations[0]) / "ops" / "linear_attn" / "naive.py"
-    module_spec = importlib.util.spec_from_file_location("fla_linear_attn_naive", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.naive_chunk_linear_attn
-
-
 def fla_chunk_reference(q, k, v):
     """fla's ``naive_chunk_linear_attn`` (autograd, chunk 64) on ``(b, T, d)`` with ``elu + 1``
     and its normalizer, in its ``(B, T, H, D)`` layout."""
     import torch.nn.functional as F
 
+    from benchmarks.baselines import fla_naive
+
     Q, K = F.elu(q) + 1, F.elu(k) + 1
-    out = _fla_naive()(Q[:, :, None], K[:, :, None], v[:, :, None], scale=1.0, normalize=True)
+    naive = fla_naive("linear_attn").naive_chunk_linear_attn
+    out = naive(Q[:, :, None], K[:, :, None], v[:, :, None], scale=1.0, normalize=True)
     return out[:, :, 0]
 
 

@@ -370,7 +370,7 @@ def fla_naive(family: str) -> Any:
     pytest.importorskip("einops")
     if importlib.util.find_spec("fla") is None:
         pytest.skip("fla-core is not installed (the bench extra pins fla-core==0.6.0)")
-    from benchmarks.compat import fla_naive as load
+    from benchmarks.baselines import fla_naive as load
 
     return load(family)
 

@@ -11,10 +11,8 @@ naive dplr reference; float32 at long T; bfloat16; bad input. On JAX the entry p
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -368,17 +366,14 @@ def test_equals_linear_attention_without_low_rank(backend, rng, method, decay):
 
 
 def _fla_naive():
-    """flash-linear-attention's pure-PyTorch dplr reference, loaded from its file (its package
-    imports Triton kernels)."""
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("flash-linear-attention (fla-core) is not installed")
+    """flash-linear-attention's pure-PyTorch dplr reference (``benchmarks.baselines.fla_naive``)."""
     pytest.importorskip("einops")
-    path = Path(spec.submodule_search_locations[0]) / "ops/generalized_delta_rule/dplr/naive.py"
-    module_spec = importlib.util.spec_from_file_location("fla_dplr_naive", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+    from benchmarks.baselines import fla_naive
+
+    try:
+        return fla_naive("generalized_delta_rule/dplr")
+    except ImportError as error:
+        pytest.skip(str(error))
 
 
 @pytest.mark.parametrize("form", ["dplr_recurrence", "dplr_chunkwise"])
