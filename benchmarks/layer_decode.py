@@ -31,17 +31,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from polylin import causal_conv1d_step, delta_rule_step, rms_norm
-from polylin.activations import sigmoid, softplus
-from polylin.torch import GatedDeltaNet, LayerCache
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and polylin
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.timing import interleaved_times  # noqa: E402
+from polylin import causal_conv1d_step, delta_rule_step, rms_norm  # noqa: E402
+from polylin.activations import sigmoid, softplus  # noqa: E402
+from polylin.torch import GatedDeltaNet, LayerCache  # noqa: E402
 
 
 def gdn_blocks(layers: int, hidden: int) -> list[GatedDeltaNet]:
@@ -110,21 +114,6 @@ def bare_step(block: GatedDeltaNet, x_t: torch.Tensor, cache: LayerCache) -> tor
     gate = block.g_proj(x_t).view(b, H * G, dv)
     o = rms_norm(o.reshape(b, H * G, dv), block.o_norm.weight[...], gate=gate, eps=block.norm_eps)
     return block.o_proj(o.reshape(b, -1))
-
-
-def interleaved_times(fns: list[Any], repeats: int) -> list[tuple[float, float]]:
-    """``(median, minimum)`` seconds of each of ``fns`` (called with the repeat index), calls
-    interleaved so that a change of load hits all; on a loaded machine the minimum is the
-    closer estimate of the work itself."""
-    times: list[list[float]] = [[] for _ in fns]
-    for fn in fns:
-        fn(0)  # warm-up
-    for i in range(repeats):
-        for fn, record in zip(fns, times):
-            start = time.perf_counter()
-            fn(i + 1)
-            record.append(time.perf_counter() - start)
-    return [(statistics.median(record), min(record)) for record in times]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -27,7 +27,15 @@ from polylin.testing import Backend
 
 from .model import gemm_flops
 
-__all__ = ["Progress", "Timing", "gemm_rate", "peak_memory", "run_metadata", "time_call"]
+__all__ = [
+    "Progress",
+    "Timing",
+    "gemm_rate",
+    "interleaved_times",
+    "peak_memory",
+    "run_metadata",
+    "time_call",
+]
 
 
 @dataclass
@@ -67,6 +75,21 @@ def time_call(
         times.append(time.perf_counter() - start)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return Timing(times=times, warmup=warmup, faults=faults / n, output=out)
+
+
+def interleaved_times(fns: list[Any], repeats: int) -> list[tuple[float, float]]:
+    """``(median, minimum)`` seconds of each of ``fns`` (called with the repeat index), calls
+    interleaved so that a change of load hits all; on a loaded machine the minimum is the
+    closer estimate of the work itself."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn(0)  # warm-up
+    for i in range(repeats):
+        for fn, record in zip(fns, times):
+            start = time.perf_counter()
+            fn(i + 1)
+            record.append(time.perf_counter() - start)
+    return [(statistics.median(record), min(record)) for record in times]
 
 
 def peak_memory(backend: Backend, fn: Callable[[], Any]) -> int | None:

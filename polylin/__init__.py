@@ -6,6 +6,7 @@ and dtype.
 """
 
 from . import activations, feature_maps
+from ._prepared import PreparedStep
 from ._state import LinearAttentionState
 from .attention import (
     METHODS,
@@ -14,9 +15,21 @@ from .attention import (
     masked_kernel_attention,
 )
 from .convolution import causal_conv1d, causal_conv1d_step
-from .decoding import step
-from .delta_rule import DELTA_METHODS, delta_rule_attention, delta_rule_step
-from .dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step
+from .decoding import PreparedLinearStep, prepare_step, step
+from .delta_rule import (
+    DELTA_METHODS,
+    PreparedDeltaRuleStep,
+    delta_rule_attention,
+    delta_rule_step,
+    prepare_delta_rule_step,
+)
+from .dplr import (
+    DPLR_METHODS,
+    PreparedDplrStep,
+    dplr_delta_rule,
+    dplr_delta_rule_step,
+    prepare_dplr_step,
+)
 from .normalization import rms_norm
 
 __version__ = "0.2.0"
@@ -26,6 +39,10 @@ __all__ = [
     "DPLR_METHODS",
     "METHODS",
     "LinearAttentionState",
+    "PreparedDeltaRuleStep",
+    "PreparedDplrStep",
+    "PreparedLinearStep",
+    "PreparedStep",
     "__version__",
     "activations",
     "causal_conv1d",
@@ -38,6 +55,9 @@ __all__ = [
     "feature_maps",
     "linear_attention",
     "masked_kernel_attention",
+    "prepare_delta_rule_step",
+    "prepare_dplr_step",
+    "prepare_step",
     "rms_norm",
     "step",
 ]

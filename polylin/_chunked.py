@@ -25,12 +25,13 @@ per-token ``exp(g_t)``; after the last level they are the ``exp(b)``, ``exp(B - 
 ``exp(B)`` of the formulas above. Both constructions live in :mod:`polylin._intra_chunk`,
 shared with the delta rule's chunked form.
 
-The normalizer is not a separate computation: the state carries ``z`` as one more column of
-``S`` (as if V had a column of ones: the increments get the column sums of K, the intra-chunk
-outputs the row sums of the scores), so the last output column *is* ``phi(q_t) . z_t``, computed
-from exactly the same running sums as the numerator (and decayed exactly like them). The ones
-column itself is never built: autograd would keep it, an array the size of V. No T x T matrix
-is formed.
+The normalizer's running sum ``z`` is carried like one more column of ``S`` (as if V had a
+column of ones: the increments get the column sums of K, the intra-chunk normalizers the row
+sums of the scores), decayed exactly like the numerator's columns, but kept as its own array:
+the ones column is never built (autograd would keep it, an array the size of V), and joining
+numerator and normalizer along the last axis measured slower than the separate products (a
+concatenation with rows of d_v + 1, and matmuls of d_v + 1 columns). Without ``normalize`` the
+normalizer of the outputs is not computed at all. No T x T matrix is formed.
 
 Autograd sees only whole-array operations: the sequence is cut into blocks and the chunk
 increments into states by one reshape and one ``unstack`` each (never a slice per block or per
@@ -61,7 +62,14 @@ from ._ops import (
     split_rows,
     widens,
 )
-from ._policy import cumulative_sum, device, eager_cpu, rows_in_whole_chunks, unstack
+from ._policy import (
+    cumulative_sum,
+    device,
+    eager_cpu,
+    keep_lower,
+    rows_in_whole_chunks,
+    unstack,
+)
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
@@ -117,9 +125,8 @@ def causal_chunked(
     if T == 0:
         return xp.broadcast_to(v, (*batch, T, d_v)), S, z
     dev = device(v)
-    # z as one more column of S makes the normalizer one more output column (module docstring).
-    state = xp.concat([S, z[..., None]], axis=-1)  # (..., d_phi, d_v + 1)
     d_phi = S.shape[-2]
+    z = z[..., None]  # (..., d_phi, 1): carried like a column of S (module docstring)
     chunk = min(chunk_size, T)
     channels = log_decay is not None and log_decay.shape[-1] != 1
     if channels:  # halved level by level (_channel_gate); padding changes no result
@@ -138,12 +145,12 @@ def causal_chunked(
     pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))
     for q_b, k_b, v_b, mask_b, decay_b in zip(*pieces):
         fq, fk = features(q_b, k_b, mask_b)
-        out, state = _block(
-            xp, fq, fk, v_b, decay_b, state, causal, eps=eps, normalize=normalize, chained=eager
+        out, S, z = _block(
+            xp, fq, fk, v_b, decay_b, S, z, causal, eps=eps, normalize=normalize, chained=eager
         )
         outputs.append(out)
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
-    return out, state[..., :d_v], state[..., d_v]
+    return out, S, z[..., 0]
 
 
 def _block(
@@ -152,18 +159,23 @@ def _block(
     fk: Any,
     v: Any,
     log_decay: Any | None,
-    state: Any,
+    S: Any,
+    z: Any,
     causal: Any,
     *,
     eps: float,
     normalize: bool,
     chained: bool,
-) -> tuple[Any, Any]:
-    """Outputs of one block of tokens and the state after it (``state``: z is its last column).
+) -> tuple[Any, Any, Any]:
+    """Outputs of one block of tokens and the state ``(S, z)`` after it (``z``: ``(..., d_phi,
+    1)``, a column carried like those of ``S``).
 
     ``fq``, ``fk``, ``v`` and ``log_decay`` keep their own leading dimensions, which broadcast.
+    The normalizer column is computed only when ``normalize``; numerator and normalizer are
+    never joined into one array (a concatenation along the last axis, and matmuls of
+    ``d_v + 1`` columns, measured slower than the separate products).
     """
-    length, d_v = v.shape[-2:]
+    length = v.shape[-2]
     chunk = causal.shape[-1]
     n_chunks = -(-length // chunk)
     padded = n_chunks * chunk
@@ -175,10 +187,12 @@ def _block(
     if log_decay is not None:
         log_decay = rows_in_whole_chunks(log_decay, chunk)
     Q, K, V = (xp.reshape(x, (*x.shape[:-2], n_chunks, chunk, x.shape[-1])) for x in (fq, fk, v))
+    weights = None  # per-token factors of the rows of Q S (a gate of grouped heads)
     if log_decay is None:
-        states, new_state = _prefix(xp, _increments(xp, K, V), None, state, chained=chained)
-        scores = xp.where(causal, matmul(xp, Q, xp.matrix_transpose(K)), 0.0)
-        out = matmul(xp, Q, states) + _attend(xp, scores, V)
+        decay = None
+        increments = _increments(xp, K, V)
+        queries = Q
+        scores = keep_lower(xp, matmul(xp, Q, xp.matrix_transpose(K)), causal)
     else:
         lead, width = log_decay.shape[:-2], log_decay.shape[-1]
         G = xp.reshape(log_decay, (*lead, n_chunks, chunk, width))
@@ -196,46 +210,47 @@ def _block(
                 increments = _increments(xp, K, V, weights=xp.exp(after))
             else:
                 increments = _increments(xp, K * xp.exp(after), V)
-            states, new_state = _prefix(xp, increments, decay, state, chained=chained)
             if widens(Q, before):
-                from_state = matmul(xp, Q, states) * xp.exp(before)
+                queries, weights = Q, xp.exp(before)
             else:
-                from_state = matmul(xp, Q * xp.exp(before), states)
-            out = from_state + _attend(xp, scores, V)
+                queries = Q * xp.exp(before)
         else:
             scores, queries, keys, chunk_decay = _channel_gate(xp, Q, K, G)
             decay = xp.matrix_transpose(chunk_decay)  # (..., n, d_phi, 1): scales state rows
             increments = _increments(xp, keys, V)
-            states, new_state = _prefix(xp, increments, decay, state, chained=chained)
-            out = matmul(xp, queries, states) + _attend(xp, scores, V)
-    out = xp.reshape(out, (*out.shape[:-3], padded, d_v + 1))
-    if padded != length:
-        out = out[..., :length, :]
-    if normalize:
-        return out[..., :d_v] / (out[..., d_v:] + eps), new_state
-    return out[..., :d_v], new_state
+    states, S = _prefix(xp, increments[0], decay, S, chained=chained)
+    z_states, z = _prefix(xp, increments[1], decay, z, chained=chained)
+    out = _from_states(xp, queries, states, weights) + matmul(xp, scores, V)
+    out = _rows(xp, out, padded, length)
+    if not normalize:
+        return out, S, z
+    normalizer = _from_states(xp, queries, z_states, weights)
+    normalizer = normalizer + xp.sum(scores, axis=-1, keepdims=True)
+    return out / (_rows(xp, normalizer, padded, length) + eps), S, z
 
 
-def _increments(xp: Any, K: Any, V: Any, *, weights: Any | None = None) -> Any:
-    """``[K^T V, K^T 1]`` per chunk: ``K^T`` times V with a ones column, without building it.
+def _from_states(xp: Any, queries: Any, states: Any, weights: Any | None) -> Any:
+    """``queries @ states``, its rows scaled by ``weights`` where given."""
+    out = matmul(xp, queries, states)
+    return out if weights is None else out * weights
 
-    A ones column concatenated to V would be a new array the size of V, which autograd keeps
-    for the backward of both matmuls; the column sums of K are the same numbers. ``weights``
-    (``(..., C, 1)``) scale the rows: ``[K^T (w V), K^T w]``. The key column has the keys'
-    leading dimensions and is broadcast into the result (grouped heads).
+
+def _rows(xp: Any, x: Any, padded: int, length: int) -> Any:
+    """``(..., n, C, w)`` chunks back to ``(..., length, w)`` rows, the padding dropped."""
+    x = xp.reshape(x, (*x.shape[:-3], padded, x.shape[-1]))
+    return x if padded == length else x[..., :length, :]
+
+
+def _increments(xp: Any, K: Any, V: Any, *, weights: Any | None = None) -> tuple[Any, Any]:
+    """``(K^T V, K^T 1)`` per chunk: the increments of ``S`` and of ``z``.
+
+    The ones column is never built: the column sums of K are the same numbers. ``weights``
+    (``(..., C, 1)``) scale the rows: ``(K^T (w V), K^T w)``.
     """
     Kt = xp.matrix_transpose(K)
     if weights is None:
-        parts = [matmul(xp, Kt, V), xp.sum(K, axis=-2)[..., None]]
-    else:
-        parts = [matmul(xp, Kt, V * weights), matmul(xp, Kt, weights)]
-    return concat_leading(xp, parts, axis=-1)
-
-
-def _attend(xp: Any, scores: Any, V: Any) -> Any:
-    """``scores @ [V, 1]``: the intra-chunk outputs and their normalizer column."""
-    parts = [matmul(xp, scores, V), xp.sum(scores, axis=-1, keepdims=True)]
-    return concat_leading(xp, parts, axis=-1)
+        return matmul(xp, Kt, V), xp.sum(K, axis=-2)[..., None]
+    return matmul(xp, Kt, V * weights), matmul(xp, Kt, weights)
 
 
 def _sum_after(xp: Any, G: Any) -> Any:

@@ -22,7 +22,7 @@ import math
 from typing import Any, SupportsFloat
 
 from ._policy import device as device_of
-from ._policy import is_array
+from ._policy import is_array, nonpositive
 from ._validation import (
     AttentionInputs,
     _check_known_shape,
@@ -36,6 +36,7 @@ __all__ = [
     "check_log_decay",
     "check_log_decay_number",
     "check_normalize",
+    "log_decay_values",
     "pack_log_decay",
     "standard_log_decay",
 ]
@@ -115,16 +116,22 @@ def check_log_decay(
             f"log_decay must broadcast against the {keys} {shown(full)} ({what}), got shape "
             f"{shown(shape)}"
         )
-    decay = inputs.to_work_dtype(log_decay)
-    explicit = len(core) + 1  # the token (if any) and channel axes must exist
-    if decay.ndim < explicit:
-        decay = xp.reshape(decay, (1,) * (explicit - decay.ndim) + shape)
-    # A decay never amplifies: every exponential the algorithms form stays <= 1.
-    decay = xp.where(decay > 0.0, 0.0, decay)
+    decay = log_decay_values(inputs, log_decay, explicit=len(core) + 1)
     if mask is not None:
         keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
         decay = xp.where(keep, decay, 0.0)
     return decay
+
+
+def log_decay_values(inputs: AttentionInputs, log_decay: Any, *, explicit: int) -> Any:
+    """A checked ``log_decay`` array in the work dtype, with at least ``explicit`` axes (the
+    token axis, if any, and the channel axis), its values above 0 selected to 0."""
+    xp = inputs.xp
+    decay = inputs.to_work_dtype(log_decay)
+    if decay.ndim < explicit:
+        decay = xp.reshape(decay, (1,) * (explicit - decay.ndim) + tuple(log_decay.shape))
+    # A decay never amplifies: every exponential the algorithms form stays <= 1.
+    return nonpositive(xp, decay)
 
 
 def pack_log_decay(xp: Any, decay: Any | None, pack: Any) -> Any | None:

@@ -38,7 +38,7 @@ from typing import Any
 
 from ._intra_chunk import SCORES, SOLVE, intra_chunk, scalar_gate_scores
 from ._ops import causal_mask, l2_normalize, matmul, pad_rows
-from ._policy import cumulative_sum, device, eager_cpu, unstack
+from ._policy import cumulative_sum, device, eager_cpu, keep_lower, unstack
 
 __all__ = ["BLOCK_ROWS", "delta_chunked", "delta_recurrent", "delta_step"]
 
@@ -165,7 +165,7 @@ def _block(
     G = rest[0] if rest else None
     rows = -(K * B)
     if G is None:
-        scores = xp.where(causal, matmul(xp, Q, xp.matrix_transpose(K)), 0.0)
+        scores = keep_lower(xp, matmul(xp, Q, xp.matrix_transpose(K)), causal)
         blocks = intra_chunk(xp, K, None, [(rows, SOLVE)])
         queries = Q
     elif G.shape[-1] == 1:  # a scalar gate factors its scores: one full matmul

@@ -48,7 +48,7 @@ def delta_quadratic(
     else:
         if g.shape[-1] == 1:
             P = scalar_gate_scores(xp, q, k, g, mask)
-            A = scalar_gate_scores(xp, rows, k, g, strict)
+            A = scalar_gate_scores(xp, rows, k, g, strict, strict=True)
         else:  # (..., T(t), T(s), d_k): one decay per channel, summed directly
             decayed = xp.exp(segment_sums(xp, g, axis=-2)) * k[..., None, :, :]
             P = xp.where(mask, xp.sum(q[..., :, None, :] * decayed, axis=-1), 0.0)

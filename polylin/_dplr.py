@@ -50,11 +50,11 @@ def dplr_step(
 ) -> tuple[Any, Any]:
     """One token: ``(o_t, S_t)``. ``q, k, a, b`` are ``(..., d_k)``, ``v`` ``(..., d_v)``,
     ``decay`` (``exp(g_t)``, not its log) ``(..., 1 or d_k)`` or ``None``, ``S`` the state."""
-    read = xp.matmul(a[..., None, :], S)  # (..., 1, d_v): a_t^T S_{t-1}, before the decay
+    read = a[..., None, :] @ S  # (..., 1, d_v): a_t^T S_{t-1}, before the decay
     if decay is not None:
         S = S * decay[..., :, None]
     S = S + b[..., :, None] * read + k[..., :, None] * v[..., None, :]
-    return xp.matmul(q[..., None, :], S)[..., 0, :], S
+    return (q[..., None, :] @ S)[..., 0, :], S
 
 
 def dplr_recurrent(

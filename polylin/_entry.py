@@ -16,11 +16,12 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._decay import check_log_decay as _check_log_decay
+from ._decay import log_decay_values
 from ._layout import SequenceLayout
-from ._policy import is_tracer
+from ._policy import is_array, is_tracer
 from ._prepare import finish
 from ._validation import (
     AttentionInputs,
@@ -31,9 +32,12 @@ from ._validation import (
 from ._varlen import length_mask, pack, unpack
 
 __all__ = [
+    "StepPlan",
     "check_log_decay",
     "check_scale",
     "run_sequences",
+    "step_decay",
+    "step_state",
 ]
 
 #: ``algorithm(arrays, S) -> (out, S)``: one form on validated arrays (module docstring).
@@ -78,7 +82,43 @@ def check_log_decay(
         layout=layout,
         channels=None if channels is None else "d_k",
     )
-    return None if g is None else inputs.xp.broadcast_to(g, (*shape[:-1], g.shape[-1]))
+    return None if g is None else _explicit_channels(inputs, g, shape)
+
+
+def _explicit_channels(inputs: AttentionInputs, g: Any, shape: tuple) -> Any:
+    shape = (*shape[:-1], g.shape[-1])
+    return g if tuple(g.shape) == shape else inputs.xp.broadcast_to(g, shape)
+
+
+class StepPlan(NamedTuple):
+    """What the checks of a matrix-state decoding step found, for one signature of its
+    arguments (see ``_prepared``): the per-call arguments that are numbers are converted once."""
+
+    inputs: AttentionInputs
+    scale: float
+    state_shape: tuple  # (..., d_k, d_v)
+    decay: Any  # exp(log_decay) of a number log_decay, or None; unused for an array
+    coefficients: tuple  # per coefficient: its array for a number, None for an array
+    qk_l2norm: bool = False
+
+
+def step_decay(plan: StepPlan, log_decay: Any) -> Any | None:
+    """The decay factor ``exp(g_t)`` of one step (``None``: no decay) of a checked
+    ``log_decay``."""
+    if not is_array(log_decay):
+        return plan.decay
+    inputs = plan.inputs
+    per_token = (*plan.state_shape[:-2], 1)
+    g = _explicit_channels(inputs, log_decay_values(inputs, log_decay, explicit=1), per_token)
+    return inputs.xp.exp(g)
+
+
+def step_state(plan: StepPlan, state: Any) -> Any:
+    """The checked state, or zeros of the plan's shape for ``None``."""
+    if state is not None:
+        return state
+    inputs = plan.inputs
+    return inputs.xp.zeros(plan.state_shape, dtype=inputs.work_dtype, device=inputs.device)
 
 
 def run_sequences(

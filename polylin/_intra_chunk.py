@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ._ops import broadcast_shape, causal_mask, concat_leading, matmul, stack_leading
-from ._policy import cumulative_sum, device, splits_chunks_on_concat, unstack
+from ._policy import cumulative_sum, device, keep_lower, splits_chunks_on_concat, unstack
 
 __all__ = [
     "IntraChunk",
@@ -288,11 +288,13 @@ def segment_sums(xp: Any, G: Any, axis: int) -> Any:
     return cumulative_sum(xp, terms, axis=axis - 1)
 
 
-def scalar_gate_scores(xp: Any, R: Any, K: Any, G: Any, mask: Any) -> Any:
+def scalar_gate_scores(
+    xp: Any, R: Any, K: Any, G: Any, mask: Any, *, strict: bool = False
+) -> Any:
     """``where(mask, (r_t . k_s) exp(sum_{s<r<=t} g_r), 0)`` for a scalar gate per token.
 
     ``G`` is ``(..., C, 1)``; ``mask`` the boolean ``(C, C)`` pattern kept (``s <= t``, or
-    ``s < t`` for a strictly lower matrix).
+    ``s < t`` for a strictly lower matrix: ``causal_mask(..., strict)``).
     """
     decay = xp.exp(segment_sums(xp, G[..., 0], axis=-1))  # (..., C, C), in [0, 1]
-    return xp.where(mask, matmul(xp, R, xp.matrix_transpose(K)) * decay, 0.0)
+    return keep_lower(xp, matmul(xp, R, xp.matrix_transpose(K)) * decay, mask, strict=strict)

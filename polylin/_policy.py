@@ -35,8 +35,10 @@ __all__ = [
     "eager_cpu",
     "is_array",
     "is_tracer",
+    "keep_lower",
     "materialized",
     "native_elu_plus_one",
+    "nonpositive",
     "outside_graph",
     "rows_in_whole_chunks",
     "splits_chunks_on_concat",
@@ -61,9 +63,15 @@ def _torch_namespace(x: Any) -> Any | None:
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(x, torch.Tensor):
         return None
-    from array_api_compat import torch as torch_namespace  # imports torch: only once it is
+    global _TORCH_NAMESPACE
+    if _TORCH_NAMESPACE is None:
+        from array_api_compat import torch as torch_namespace  # imports torch: only once it is
 
-    return torch_namespace
+        _TORCH_NAMESPACE = torch_namespace
+    return _TORCH_NAMESPACE
+
+
+_TORCH_NAMESPACE: Any = None  # array-api-compat's torch namespace, once a tensor was seen
 
 
 def is_array(x: Any) -> bool:
@@ -75,15 +83,37 @@ def is_array(x: Any) -> bool:
     return _torch_namespace(x) is not None or array_api_compat.is_array_api_obj(x)
 
 
+def _is_numpy_array(x: Any) -> bool:
+    """Whether ``x`` is exactly a ``numpy.ndarray`` (not a subclass, not a NumPy scalar)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and type(x) is numpy.ndarray
+
+
 def array_namespace(x: Any) -> Any:
-    """The array-API namespace of ``x`` (``array_api_compat.array_namespace`` of one array)."""
+    """The array-API namespace of ``x`` (``array_api_compat.array_namespace`` of one array).
+
+    Tensors and NumPy arrays are answered without array-api-compat's general lookup (a few
+    microseconds a call: a decoding step asks several times).
+    """
     xp = _torch_namespace(x)
-    return array_api_compat.array_namespace(x) if xp is None else xp
+    if xp is not None:
+        return xp
+    global _NUMPY_NAMESPACE
+    if _is_numpy_array(x):
+        if _NUMPY_NAMESPACE is None:
+            _NUMPY_NAMESPACE = array_api_compat.array_namespace(x)
+        return _NUMPY_NAMESPACE
+    return array_api_compat.array_namespace(x)
+
+
+_NUMPY_NAMESPACE: Any = None  # array-api-compat's NumPy namespace, once an array was seen
 
 
 def device(x: Any) -> Any:
     """The device of ``x`` (``array_api_compat.device``)."""
-    return x.device if _torch_namespace(x) is not None else array_api_compat.device(x)
+    if _torch_namespace(x) is not None:
+        return x.device
+    return "cpu" if _is_numpy_array(x) else array_api_compat.device(x)
 
 
 def cumulative_sum(xp: Any, x: Any, /, *, axis: int, include_initial: bool = False) -> Any:
@@ -145,6 +175,26 @@ def _library(xp: Any) -> str:
 
 _JAX = ("jax.numpy", "jax.experimental.array_api")
 _DASK = ("dask.array",)
+
+
+def keep_lower(xp: Any, x: Any, mask: Any, *, strict: bool = False) -> Any:
+    """``where(mask, x, 0)`` for the lower-triangular ``mask`` of ``causal_mask(..., strict)``:
+    the entries on and below the diagonal (below it when ``strict``) of the last two axes,
+    exact zeros elsewhere (whatever ``x`` holds there: ``inf``, ``nan``). PyTorch: ``tril``,
+    the same selection, which measured twice as fast as a broadcast ``where`` on a chunk's
+    scores."""
+    if _torch_namespace(x) is not None:
+        return sys.modules["torch"].tril(x, diagonal=-1 if strict else 0)
+    return xp.where(mask, x, 0.0)
+
+
+def nonpositive(xp: Any, x: Any) -> Any:
+    """``where(x > 0, 0, x)``: values above 0 taken as 0, NaN kept, the gradient 1 wherever
+    ``x <= 0`` (``minimum`` would halve it at 0 on PyTorch and JAX). PyTorch: one ``clamp``,
+    whose gradient is the same (two operations fewer per decoding step)."""
+    if _torch_namespace(x) is not None:
+        return sys.modules["torch"].clamp(x, max=0.0)
+    return xp.where(x > 0.0, 0.0, x)
 
 
 def eager_cpu(xp: Any, dev: Any) -> bool:
@@ -292,7 +342,12 @@ def is_tracer(x: Any) -> bool:
         return False
     if _torch_namespace(x) is not None:
         return False
-    return any(cls.__name__ == "Tracer" for cls in type(x).__mro__)
+    return _is_tracer_type(type(x))
+
+
+@cache
+def _is_tracer_type(cls: type) -> bool:
+    return any(base.__name__ == "Tracer" for base in cls.__mro__)
 
 
 def unsupported_array(x: Any) -> str | None:

@@ -18,7 +18,33 @@ from ._policy import array_namespace, is_array
 from ._validation import AttentionInputs
 from .feature_maps import elu_plus_one
 
-__all__ = ["apply_feature_map", "finish", "select"]
+__all__ = ["apply_feature_map", "finish", "map_features", "resolve_feature_map", "select"]
+
+
+def resolve_feature_map(
+    feature_map: Callable[[Any], Any] | None,
+) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """The maps of the queries and of the keys: ``elu_plus_one`` for ``None``.
+
+    A map may treat queries differently (FAVOR+ shifts each query row by its max, which cancels
+    between numerator and normalizer; a per-key shift would not): see ``map_query``.
+    """
+    if feature_map is None:
+        return elu_plus_one, elu_plus_one
+    if not callable(feature_map):
+        raise TypeError(
+            f"feature_map must be a callable from array to array, got {type(feature_map).__name__}"
+        )
+    return getattr(feature_map, "map_query", feature_map), feature_map
+
+
+def map_features(
+    inputs: AttentionInputs, map_query: Callable[[Any], Any], map_key: Callable[[Any], Any],
+    q: Any, k: Any,
+) -> tuple[Any, Any]:
+    """``phi(q), phi(k)`` in the work dtype, unchecked (see :func:`apply_feature_map`)."""
+    work = inputs.to_work_dtype
+    return work(map_query(work(q))), work(map_key(work(k)))
 
 
 def apply_feature_map(
@@ -30,17 +56,9 @@ def apply_feature_map(
     names: tuple[str, str] = ("q", "k"),
 ) -> tuple[Any, Any]:
     """Return ``phi(q), phi(k)`` in the work dtype, checking what the feature map returned."""
-    if feature_map is None:
-        feature_map = elu_plus_one
-    elif not callable(feature_map):
-        raise TypeError(
-            f"feature_map must be a callable from array to array, got {type(feature_map).__name__}"
-        )
-    # A map may treat queries differently (FAVOR+ shifts each query row by its max, which
-    # cancels between numerator and normalizer; a per-key shift would not): see ``map_query``.
-    map_query = getattr(feature_map, "map_query", feature_map)
+    map_query, map_key = resolve_feature_map(feature_map)
     mapped = []
-    for name, x, phi in ((names[0], q, map_query), (names[1], k, feature_map)):
+    for name, x, phi in ((names[0], q, map_query), (names[1], k, map_key)):
         fx = phi(inputs.to_work_dtype(x))
         _check_mapped(inputs, name, x, fx)
         mapped.append(inputs.to_work_dtype(fx))

@@ -41,7 +41,7 @@ def recurrent_step(
     S = S + fk[..., :, None] * v[..., None, :]
     z = z + fk
     if fq.shape[:-1] == S.shape[:-2]:
-        numerator = xp.matmul(fq[..., None, :], S)[..., 0, :]
+        numerator = (fq[..., None, :] @ S)[..., 0, :]
     else:  # grouped heads: a broadcast matmul would copy fq per group (_ops.matmul)
         numerator = xp.sum(fq[..., :, None] * S, axis=-2)
     if not normalize:

@@ -34,6 +34,7 @@ __all__ = [
     "check_qkv",
     "check_state",
     "check_token_mask",
+    "coefficient_values",
     "is_real_number",
     "namespace_of",
     "work_dtype_for",
@@ -540,7 +541,14 @@ def check_coefficient(
             f"{name} must broadcast to {shown(shape)} (one value per {per}: last axis "
             f"{shape[-1]}), got {shown(got)}"
         )
-    return xp.broadcast_to(inputs.to_work_dtype(x), shape)
+    return coefficient_values(inputs, x, shape)
+
+
+def coefficient_values(inputs: AttentionInputs, x: Any, shape: tuple) -> Any:
+    """A checked coefficient array (see :func:`check_coefficient`) broadcast to ``shape`` in the
+    work dtype: a view where no cast is needed."""
+    x = inputs.to_work_dtype(x)
+    return x if tuple(x.shape) == shape else inputs.xp.broadcast_to(x, shape)
 
 
 def check_cu_seqlens(cu_seqlens: Sequence[int], total: int) -> list[int]:

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
-from ._decay import check_log_decay, check_normalize
-from ._policy import DEFAULT_EPS
-from ._prepare import apply_feature_map, finish, select
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from ._decay import check_log_decay, check_normalize, log_decay_values
+from ._policy import DEFAULT_EPS, is_array
+from ._prepare import apply_feature_map, finish, map_features, resolve_feature_map, select
+from ._prepared import PreparedStep
 from ._recurrent import recurrent_step
 from ._state import LinearAttentionState
 from ._typing import Array
-from ._validation import check_options, check_qkv, check_state, check_token_mask
+from ._validation import (
+    AttentionInputs,
+    check_options,
+    check_qkv,
+    check_state,
+    check_token_mask,
+)
 from .attention import FeatureMap
 
-__all__ = ["step"]
+__all__ = ["PreparedLinearStep", "prepare_step", "step"]
 
 
 def step(
@@ -97,16 +107,54 @@ def step(
     >>> bool(np.allclose(np.stack(outputs), whole[6:]))
     True
     """
+    plan, mapped = _plan_step(
+        q_t,
+        k_t,
+        v_t,
+        state,
+        attention_mask,
+        log_decay,
+        feature_map=feature_map,
+        eps=eps,
+        normalize=normalize,
+    )
+    return _run_step(plan, q_t, k_t, v_t, state, attention_mask, log_decay, checked=mapped)
+
+
+class _StepPlan(NamedTuple):
+    """What :func:`step`'s checks found, for one signature of its arguments."""
+
+    inputs: AttentionInputs
+    map_query: Callable[[Any], Any]
+    map_key: Callable[[Any], Any]
+    eps: float
+    normalize: bool
+    mask_shape: tuple | None  # the token mask as (..., 1)
+    state_shapes: tuple[tuple, tuple]  # (S, z) broadcast to the batch
+    fixed_decay: Any  # the log decay when it is a number or None (the same at every call)
+
+
+def _plan_step(
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
+    state: LinearAttentionState | None,
+    attention_mask: Array | None,
+    log_decay: Any,
+    *,
+    feature_map: FeatureMap | None,
+    eps: float,
+    normalize: bool,
+) -> tuple[_StepPlan, tuple[Array, Array]]:
+    """Check every argument of :func:`step`; return the plan and the mapped ``(fq, fk)``."""
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
     eps, _ = check_options(eps=eps, inputs=inputs)
     check_normalize(normalize)
     xp = inputs.xp
     mask = None if attention_mask is None else check_token_mask(inputs, attention_mask)
-    q_t, k_t, v_t = (select(xp, mask, x) for x in (q_t, k_t, v_t))
+    q_t, k_t = (select(xp, mask, x) for x in (q_t, k_t))
     fq, fk = apply_feature_map(inputs, feature_map, q_t, k_t, names=("q_t", "k_t"))
-    fk = select(xp, mask, fk)
-    v_t = inputs.to_work_dtype(v_t)
-    S0, z0 = check_state(
+    S, z = check_state(
         inputs,
         state,
         inputs.batch_shape,
@@ -116,7 +164,139 @@ def step(
         token_shape=tuple(q_t.shape),
     )
     decay = check_log_decay(inputs, log_decay, length=None, d_phi=fq.shape[-1])
-    o_t, S, z = recurrent_step(xp, fq, fk, v_t, S0, z0, eps, log_decay=decay, normalize=normalize)
+    map_query, map_key = resolve_feature_map(feature_map)
+    plan = _StepPlan(
+        inputs,
+        map_query,
+        map_key,
+        eps,
+        normalize,
+        None if mask is None else tuple(mask.shape),
+        (tuple(S.shape), tuple(z.shape)),
+        None if is_array(log_decay) else decay,
+    )
+    return plan, (fq, fk)
+
+
+def _run_step(
+    plan: _StepPlan,
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
+    state: LinearAttentionState | None,
+    attention_mask: Array | None,
+    log_decay: Any,
+    *,
+    checked: tuple[Array, Array] | None = None,
+) -> tuple[Array, LinearAttentionState]:
+    """:func:`step`'s arithmetic on arguments of the plan's signature (``checked``: the mapped
+    features the checks computed)."""
+    inputs = plan.inputs
+    xp = inputs.xp
+    mask = None if attention_mask is None else xp.reshape(attention_mask, plan.mask_shape)
+    if checked is None:
+        fq, fk = map_features(
+            inputs, plan.map_query, plan.map_key, select(xp, mask, q_t), select(xp, mask, k_t)
+        )
+    else:
+        fq, fk = checked
+    fk = select(xp, mask, fk)
+    v_t = inputs.to_work_dtype(select(xp, mask, v_t))
+    if state is None:
+        S0, z0 = (xp.zeros(shape, dtype=inputs.work_dtype, device=inputs.device)
+                  for shape in plan.state_shapes)
+    else:
+        S0, z0 = (x if tuple(x.shape) == shape else xp.broadcast_to(x, shape)
+                  for x, shape in zip(state, plan.state_shapes))
+    decay = plan.fixed_decay if not is_array(log_decay) else log_decay_values(
+        inputs, log_decay, explicit=1
+    )
+    o_t, S, z = recurrent_step(
+        xp, fq, fk, v_t, S0, z0, plan.eps, log_decay=decay, normalize=plan.normalize
+    )
     if mask is not None:  # rows that do not take the token keep their state exactly
         S, z = xp.where(mask[..., None], S, S0), xp.where(mask, z, z0)
     return finish(inputs, o_t, mask), LinearAttentionState(S, z)
+
+
+class PreparedLinearStep(PreparedStep):
+    """:func:`step` checked once per signature: see :func:`prepare_step`."""
+
+    __slots__ = ()
+
+    def __call__(
+        self,
+        q_t: Array,
+        k_t: Array,
+        v_t: Array,
+        /,
+        state: LinearAttentionState | None = None,
+        *,
+        attention_mask: Array | None = None,
+        log_decay: Array | float | None = None,
+    ) -> tuple[Array, LinearAttentionState]:
+        """Attend one token, as :func:`step` with the prepared options."""
+        return self._call((q_t, k_t, v_t, state, attention_mask, log_decay))
+
+
+def prepare_step(
+    feature_map: FeatureMap | None = None,
+    *,
+    eps: float = DEFAULT_EPS,
+    normalize: bool = True,
+) -> PreparedLinearStep:
+    """:func:`step` for a decoding loop: arguments checked once, then arithmetic only.
+
+    The returned function is called like :func:`step` without its options,
+    ``prepared(q_t, k_t, v_t, state, attention_mask=None, log_decay=None)``, and returns the
+    same ``(o_t, state)``, equal to the last bit. Its first call checks everything
+    :func:`step` checks; later calls whose arrays have the same library, shape, dtype and
+    device as the call before (and numbers of the same values) skip the checks, which cost a
+    decoding step of a small model more than its arithmetic (``docs/performance.md``,
+    "Decoding"). Any other call is checked again: errors are :func:`step`'s.
+
+    Parameters
+    ----------
+    feature_map : callable, optional
+        As in :func:`step`. It is called on every token; a map whose output shape could
+        change for inputs of the same shape is not supported.
+    eps, normalize
+        As in :func:`step`; checked at the first call.
+
+    Returns
+    -------
+    PreparedLinearStep
+        A callable ``(q_t, k_t, v_t, state=None, *, attention_mask=None, log_decay=None)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import causal_linear_attention, prepare_step
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 10, 4))
+    >>> prompt, state = causal_linear_attention(q[:6], k[:6], v[:6], return_state=True)
+    >>> decode = prepare_step()
+    >>> outputs = []
+    >>> for t in range(6, 10):
+    ...     o_t, state = decode(q[t], k[t], v[t], state)
+    ...     outputs.append(o_t)
+    >>> bool(np.allclose(np.stack(outputs), causal_linear_attention(q, k, v)[6:]))
+    True
+    """
+
+    def plan(
+        q_t: Any, k_t: Any, v_t: Any, state: Any, attention_mask: Any, log_decay: Any
+    ) -> tuple[_StepPlan, tuple[Array, Array]]:
+        return _plan_step(
+            q_t,
+            k_t,
+            v_t,
+            state,
+            attention_mask,
+            log_decay,
+            feature_map=feature_map,
+            eps=eps,
+            normalize=normalize,
+        )
+
+    return PreparedLinearStep(plan, _run_step)

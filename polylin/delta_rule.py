@@ -12,11 +12,12 @@ from typing import Any
 
 from ._delta import delta_chunked, delta_recurrent, delta_step
 from ._delta_quadratic import delta_quadratic
-from ._entry import check_log_decay, check_scale, run_sequences
+from ._entry import StepPlan, check_log_decay, check_scale, run_sequences, step_decay, step_state
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._ops import l2_normalize
-from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
+from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, is_array
 from ._prepare import finish
+from ._prepared import PreparedStep
 from ._typing import Array
 from ._validation import (
     check_coefficient,
@@ -25,9 +26,16 @@ from ._validation import (
     check_method,
     check_options,
     check_qkv,
+    coefficient_values,
 )
 
-__all__ = ["DELTA_METHODS", "delta_rule_attention", "delta_rule_step"]
+__all__ = [
+    "DELTA_METHODS",
+    "PreparedDeltaRuleStep",
+    "delta_rule_attention",
+    "delta_rule_step",
+    "prepare_delta_rule_step",
+]
 
 #: The algorithms of :func:`delta_rule_attention`; they compute the same function.
 DELTA_METHODS = ("chunked", "recurrent", "quadratic")
@@ -297,19 +305,131 @@ def delta_rule_step(
     >>> bool(np.allclose(np.stack(outputs), whole[6:]))
     True
     """
+    plan = _plan_step(q_t, k_t, v_t, beta_t, state, log_decay, scale=scale, qk_l2norm=qk_l2norm)
+    return _run_step(plan[0], q_t, k_t, v_t, beta_t, state, log_decay)
+
+
+def _plan_step(
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
+    beta_t: Any,
+    state: Array | None,
+    log_decay: Any,
+    *,
+    scale: Any,
+    qk_l2norm: Any,
+) -> tuple[StepPlan, None]:
+    """Check every argument of :func:`delta_rule_step` (the ``plan`` of ``_prepared``)."""
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
     xp = inputs.xp
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
     beta = check_coefficient(inputs, beta_t, (*batch, 1), name="beta_t", bounds=_BETA_BOUNDS)
     g = check_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
     scale = _check_scale_and_norm(scale, qk_l2norm)
-    S = check_matrix_state(
-        inputs, state, (*batch, d_k, d_v), name="state", token_shape=tuple(q_t.shape)
+    token_shape = tuple(q_t.shape)
+    check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state", token_shape=token_shape)
+    plan = StepPlan(
+        inputs,
+        scale,
+        (*batch, d_k, d_v),
+        None if g is None else xp.exp(g),
+        (None if is_array(beta_t) else beta,),
+        qk_l2norm,
     )
+    return plan, None
+
+
+def _run_step(
+    plan: StepPlan,
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
+    beta_t: Any,
+    state: Array | None,
+    log_decay: Any,
+    *,
+    checked: None = None,
+) -> tuple[Array, Array]:
+    """:func:`delta_rule_step`'s arithmetic on arguments of the plan's signature."""
+    inputs = plan.inputs
+    xp = inputs.xp
+    (beta,) = plan.coefficients
+    if beta is None:
+        beta = coefficient_values(inputs, beta_t, (*plan.state_shape[:-2], 1))
     q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
-    if qk_l2norm:
+    if plan.qk_l2norm:
         q, k = l2_normalize(xp, q), l2_normalize(xp, k)
-    o_t, S = delta_step(xp, q, k, v, beta, None if g is None else xp.exp(g), S)
-    if scale != 1.0:
-        o_t = o_t * scale
+    o_t, S = delta_step(xp, q, k, v, beta, step_decay(plan, log_decay), step_state(plan, state))
+    if plan.scale != 1.0:
+        o_t = o_t * plan.scale
     return finish(inputs, o_t, None), S
+
+
+class PreparedDeltaRuleStep(PreparedStep):
+    """:func:`delta_rule_step` checked once per signature: see :func:`prepare_delta_rule_step`."""
+
+    __slots__ = ()
+
+    def __call__(
+        self,
+        q_t: Array,
+        k_t: Array,
+        v_t: Array,
+        beta_t: Array | float,
+        state: Array | None = None,
+        /,
+        *,
+        log_decay: Array | float | None = None,
+    ) -> tuple[Array, Array]:
+        """One token, as :func:`delta_rule_step` with the prepared options."""
+        return self._call((q_t, k_t, v_t, beta_t, state, log_decay))
+
+
+def prepare_delta_rule_step(
+    *, scale: float = 1.0, qk_l2norm: bool = False
+) -> PreparedDeltaRuleStep:
+    """:func:`delta_rule_step` for a decoding loop: arguments checked once, then arithmetic only.
+
+    The returned function is called like :func:`delta_rule_step` without its options,
+    ``prepared(q_t, k_t, v_t, beta_t, state, log_decay=None)``, and returns the same
+    ``(o_t, state)``, equal to the last bit. Its first call checks everything
+    :func:`delta_rule_step` checks; later calls whose arrays have the same library, shape,
+    dtype and device as the call before (and numbers of the same values) skip the checks
+    (``docs/performance.md``, "Decoding"). Any other call is checked again: errors are
+    :func:`delta_rule_step`'s.
+
+    Parameters
+    ----------
+    scale, qk_l2norm
+        As in :func:`delta_rule_step`; checked at the first call.
+
+    Returns
+    -------
+    PreparedDeltaRuleStep
+        A callable ``(q_t, k_t, v_t, beta_t, state=None, /, *, log_decay=None)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import delta_rule_attention, prepare_delta_rule_step
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 10, 4))
+    >>> g = -0.1
+    >>> prompt, state = delta_rule_attention(
+    ...     q[:6], k[:6], v[:6], 0.5, log_decay=g, return_state=True
+    ... )
+    >>> decode = prepare_delta_rule_step()
+    >>> outputs = []
+    >>> for t in range(6, 10):
+    ...     o_t, state = decode(q[t], k[t], v[t], 0.5, state, log_decay=g)
+    ...     outputs.append(o_t)
+    >>> whole = delta_rule_attention(q, k, v, 0.5, log_decay=g)
+    >>> bool(np.allclose(np.stack(outputs), whole[6:]))
+    True
+    """
+
+    def plan(*args: Any) -> tuple[StepPlan, None]:
+        return _plan_step(*args, scale=scale, qk_l2norm=qk_l2norm)
+
+    return PreparedDeltaRuleStep(plan, _run_step)

@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._dplr import dplr_chunked, dplr_quadratic, dplr_recurrent, dplr_step
-from ._entry import check_log_decay, check_scale, run_sequences
+from ._entry import StepPlan, check_log_decay, check_scale, run_sequences, step_decay, step_state
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, is_array
 from ._prepare import finish
+from ._prepared import PreparedStep
 from ._typing import Array
 from ._validation import (
     AttentionInputs,
@@ -27,7 +28,13 @@ from ._validation import (
     check_qkv,
 )
 
-__all__ = ["DPLR_METHODS", "dplr_delta_rule", "dplr_delta_rule_step"]
+__all__ = [
+    "DPLR_METHODS",
+    "PreparedDplrStep",
+    "dplr_delta_rule",
+    "dplr_delta_rule_step",
+    "prepare_dplr_step",
+]
 
 #: The algorithms of :func:`dplr_delta_rule`; they compute the same function.
 DPLR_METHODS = ("chunked", "recurrent", "quadratic")
@@ -41,9 +48,16 @@ def _check_vectors(inputs: AttentionInputs, x: Any, shape: tuple, name: str) -> 
     if not is_array(x):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     check_coefficient(inputs, x, shape, name=name, bounds=_ANY, per="key channel")
+    return _vector_values(inputs, x, shape)
+
+
+def _vector_values(inputs: AttentionInputs, x: Any, shape: tuple) -> Any:
+    """A checked ``a`` or ``b`` in the work dtype, broadcast to the trailing axes of ``shape``
+    only (see :func:`_check_vectors`)."""
     core = len(shape) - len(inputs.batch_shape)  # (T, d_k), or (d_k,) for one token
     lead = tuple(x.shape[:-core]) if x.ndim >= core else ()
-    return inputs.xp.broadcast_to(inputs.to_work_dtype(x), (*lead, *shape[-core:]))
+    x, shape = inputs.to_work_dtype(x), (*lead, *shape[-core:])
+    return x if tuple(x.shape) == shape else inputs.xp.broadcast_to(x, shape)
 
 
 def _algorithm(xp: Any, method: str, chunk_size: int) -> Any:
@@ -272,17 +286,116 @@ def dplr_delta_rule_step(
     >>> bool(np.allclose(np.stack(outputs), whole[6:]))
     True
     """
+    plan = _plan_step(q_t, k_t, v_t, a_t, b_t, state, log_decay, scale=scale)
+    return _run_step(plan[0], q_t, k_t, v_t, a_t, b_t, state, log_decay)
+
+
+def _plan_step(
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
+    a_t: Array,
+    b_t: Array,
+    state: Array | None,
+    log_decay: Any,
+    *,
+    scale: Any,
+) -> tuple[StepPlan, None]:
+    """Check every argument of :func:`dplr_delta_rule_step` (the ``plan`` of ``_prepared``)."""
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
     xp = inputs.xp
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
     scale = check_scale(scale)
-    a, b = (
-        _check_vectors(inputs, x, (*batch, d_k), name) for name, x in (("a_t", a_t), ("b_t", b_t))
-    )
+    for name, x in (("a_t", a_t), ("b_t", b_t)):
+        _check_vectors(inputs, x, (*batch, d_k), name)
     g = check_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
-    S = check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
+    check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
+    plan = StepPlan(inputs, scale, (*batch, d_k, d_v), None if g is None else xp.exp(g), ())
+    return plan, None
+
+
+def _run_step(
+    plan: StepPlan,
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
+    a_t: Array,
+    b_t: Array,
+    state: Array | None,
+    log_decay: Any,
+    *,
+    checked: None = None,
+) -> tuple[Array, Array]:
+    """:func:`dplr_delta_rule_step`'s arithmetic on arguments of the plan's signature."""
+    inputs = plan.inputs
+    keys = plan.state_shape[:-1]
+    a, b = (_vector_values(inputs, x, keys) for x in (a_t, b_t))
     q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
-    if scale != 1.0:
-        q = q * scale
-    o_t, S = dplr_step(xp, q, k, v, a, b, None if g is None else xp.exp(g), S)
+    if plan.scale != 1.0:
+        q = q * plan.scale
+    decay = step_decay(plan, log_decay)
+    o_t, S = dplr_step(inputs.xp, q, k, v, a, b, decay, step_state(plan, state))
     return finish(inputs, o_t, None), S
+
+
+class PreparedDplrStep(PreparedStep):
+    """:func:`dplr_delta_rule_step` checked once per signature: see :func:`prepare_dplr_step`."""
+
+    __slots__ = ()
+
+    def __call__(
+        self,
+        q_t: Array,
+        k_t: Array,
+        v_t: Array,
+        a_t: Array,
+        b_t: Array,
+        state: Array | None = None,
+        /,
+        *,
+        log_decay: Array | float | None = None,
+    ) -> tuple[Array, Array]:
+        """One token, as :func:`dplr_delta_rule_step` with the prepared options."""
+        return self._call((q_t, k_t, v_t, a_t, b_t, state, log_decay))
+
+
+def prepare_dplr_step(*, scale: float = 1.0) -> PreparedDplrStep:
+    """:func:`dplr_delta_rule_step` for a decoding loop: checked once, then arithmetic only.
+
+    The returned function is called like :func:`dplr_delta_rule_step` without its options,
+    ``prepared(q_t, k_t, v_t, a_t, b_t, state, log_decay=None)``, and returns the same
+    ``(o_t, state)``, equal to the last bit. Its first call checks everything the plain step
+    checks; later calls whose arrays have the same library, shape, dtype and device as the
+    call before (and numbers of the same values) skip the checks (``docs/performance.md``,
+    "Decoding"). Any other call is checked again: errors are the plain step's.
+
+    Parameters
+    ----------
+    scale
+        As in :func:`dplr_delta_rule_step`; checked at the first call.
+
+    Returns
+    -------
+    PreparedDplrStep
+        A callable ``(q_t, k_t, v_t, a_t, b_t, state=None, /, *, log_decay=None)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import dplr_delta_rule, prepare_dplr_step
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 10, 4))
+    >>> kk = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    >>> a, b, w = -kk, 0.5 * kk, np.full((10, 4), -0.3)
+    >>> decode, state, outputs = prepare_dplr_step(), None, []
+    >>> for t in range(10):
+    ...     o_t, state = decode(q[t], k[t], v[t], a[t], b[t], state, log_decay=w[t])
+    ...     outputs.append(o_t)
+    >>> bool(np.allclose(np.stack(outputs), dplr_delta_rule(q, k, v, a, b, log_decay=w)))
+    True
+    """
+
+    def plan(*args: Any) -> tuple[StepPlan, None]:
+        return _plan_step(*args, scale=scale)
+
+    return PreparedDplrStep(plan, _run_step)
