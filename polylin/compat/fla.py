@@ -3,11 +3,12 @@
 Each function has the name, signature, defaults, layout and return value of the fla 0.6.0 op of
 the same name (``fla.ops.<family>.chunk`` / ``fused_recurrent``): inputs ``(B, T, H, d)``,
 values and gates with ``HV`` heads (a multiple of ``H``: grouped value heads), ``scale=None``
-meaning ``d_k ** -0.5`` (RWKV-7's ``chunk_rwkv7`` defaults to 1, as fla's does), states ``(N, HV, d_k, d_v)``, ``cu_seqlens`` offsets with ``B == 1``,
-and a return value ``(o, final_state or None)``. They take arrays of any array-API library
-(NumPy, PyTorch on CPU or GPU, JAX, CuPy, ...) and return the inputs' library, device and
-dtype. ``chunk_*`` run polylin's chunked form, ``fused_recurrent_*`` its per-token recurrence:
-the same function either way.
+meaning ``d_k ** -0.5`` (``chunk_rwkv7`` defaults to 1, as fla's does), states
+``(N, HV, d_k, d_v)``, ``cu_seqlens`` offsets with ``B == 1``, and a return value
+``(o, final_state or None)``. They take arrays of any array-API library (NumPy, PyTorch on CPU
+or GPU, JAX, CuPy, ...) and return the inputs' library, device and dtype. ``chunk_*`` run
+polylin's chunked form, ``fused_recurrent_*`` its per-token recurrence: the same function
+either way.
 
 The ops: ``chunk_linear_attn``, ``chunk_simple_gla``, ``chunk_gla`` and their
 ``fused_recurrent_*`` twins, ``chunk_retention`` (linear attention and its gated forms);
