@@ -1457,7 +1457,8 @@ def chunk_dplr_delta_rule(
     cp_context : object, optional
         Context parallelism: not supported.
     lower_bound : float, optional
-        fla's promise ``lower_bound <= gk < 0`` (a speed hint): must be negative, else ignored.
+        The caller's promise ``lower_bound <= gk < 0`` (a speed hint of fla): must be
+        negative, else ignored.
     **kwargs
         ``head_first`` raises fla's ``DeprecationWarning``; any other option raises
         ``NotImplementedError`` naming it.
@@ -1516,10 +1517,10 @@ def fused_recurrent_dplr_delta_rule(
     reverse: bool = False,
     cu_seqlens: Array | None = None,
 ) -> Result:
-    """Compute fla's ``fused_recurrent_dplr_delta_rule``: :func:`chunk_dplr_delta_rule`, token
-    by token.
+    """Compute fla's ``fused_recurrent_dplr_delta_rule``: the generalized rule, token by token.
 
-    fla's kernel is forward-only; this one is differentiable on PyTorch and JAX.
+    :func:`chunk_dplr_delta_rule` computes the same function in chunks. fla's kernel is
+    forward-only; this one is differentiable on PyTorch and JAX.
 
     Parameters
     ----------
@@ -1596,9 +1597,9 @@ def chunk_rwkv7(
     cp_context: Any | None = None,
     lower_bound: float | None = None,
 ) -> Result:
-    """Compute fla's ``chunk_rwkv7`` (RWKV-7's time mixing): :func:`chunk_dplr_delta_rule` with
-    ``q = r`` and ``gk = w``, ``scale`` 1 by default.
+    """Compute fla's ``chunk_rwkv7`` (RWKV-7's time mixing) as the generalized delta rule.
 
+    :func:`chunk_dplr_delta_rule` with ``q = r`` and ``gk = w``, ``scale`` 1 by default:
     ``S_t = diag(exp(w_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T``,
     ``o_t = scale S_t^T r_t``. ``w`` is the log decay itself (RWKV-7's layer passes
     ``w = -exp(omega)``, in fla ``-0.6065 * sigmoid(.)``), ``a = -kk``, ``b = kk * a_lr``.
@@ -1627,14 +1628,17 @@ def chunk_rwkv7(
         the host.
     cu_seqlens_cpu : array of int, optional
         The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
-    safe_gate, disable_recompute : bool
-        Speed hints of fla: accepted, ignored.
+    safe_gate : bool
+        A speed hint of fla for bounded gates: accepted, ignored.
     chunk_size : int, optional
         The chunk length, a power of 2 (default 64; fla's default is 16: the same function).
+    disable_recompute : bool
+        A memory/speed trade-off of fla: accepted, ignored.
     cp_context : object, optional
         Context parallelism: not supported.
     lower_bound : float, optional
-        fla's promise ``lower_bound <= w < 0`` (a speed hint): must be negative, else ignored.
+        The caller's promise ``lower_bound <= w < 0`` (a speed hint of fla): must be
+        negative, else ignored.
 
     Returns
     -------
@@ -1762,9 +1766,9 @@ def fused_mul_recurrent_rwkv7(
     reverse: bool = False,
     cu_seqlens: Array | None = None,
 ) -> Result:
-    """Compute fla's ``fused_mul_recurrent_rwkv7``: RWKV-7 from its normalized key ``kk`` and
-    learning rate ``a``, token by token.
+    """Compute fla's ``fused_mul_recurrent_rwkv7``: RWKV-7 from ``kk`` and ``a``, token by token.
 
+    ``kk`` is the normalized key and ``a`` the in-context learning rate:
     :func:`fused_recurrent_rwkv7` with its ``a = -kk`` and ``b = kk * a`` (formed in the work
     dtype, as fla's kernel forms them in float32), ``scale`` 1 by default.
 
