@@ -173,10 +173,16 @@ def progress(r: dict) -> None:
     )
 
 
-
-
 #: The compat chunk functions timed against fla's naive form of the same op.
-OPS = ("linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule", "kda")
+OPS = (
+    "linear_attn",
+    "simple_gla",
+    "gla",
+    "delta_rule",
+    "gated_delta_rule",
+    "kda",
+    "dplr_delta_rule",
+)
 
 #: fla's naive function each is timed against (fla ships no chunked naive GLA).
 NAIVE = {
@@ -186,6 +192,7 @@ NAIVE = {
     "delta_rule": "delta_rule_chunkwise",
     "gated_delta_rule": "naive_chunk_gated_delta_rule",
     "kda": "naive_chunk_kda",
+    "dplr_delta_rule": "dplr_chunkwise",
 }
 
 
@@ -197,6 +204,9 @@ def bench_ops(length: int, repeats: int) -> list[dict]:
     beta = torch.rand(B, T, H, generator=g)
     g_head = -torch.rand(B, T, H, generator=g) * 0.1
     g_chan = -torch.rand(B, T, H, D, generator=g) * 0.1
+    # RWKV-7's transition for the generalized rule: a = -kk, b = kk * a_lr
+    kk = torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=g), dim=-1)
+    a, b = -kk, kk * torch.rand(B, T, H, D, generator=g)
     cases = {
         "linear_attn": (
             lambda: fla.chunk_linear_attn(q, k, v, normalize=False)[0],
@@ -227,6 +237,14 @@ def bench_ops(length: int, repeats: int) -> list[dict]:
         "kda": (
             lambda: fla.chunk_kda(q, unit, v, g_chan, beta)[0],
             lambda: fla_naive("kda").naive_chunk_kda(q, unit, v, g_chan, beta)[0],
+        ),
+        "dplr_delta_rule": (  # fla's naive chunk form is head-first, chunk 32 (T % 32 == 0)
+            lambda: fla.chunk_dplr_delta_rule(q, k, v, a, b, g_chan)[0],
+            lambda: (
+                fla_naive("generalized_delta_rule/dplr")
+                .dplr_chunkwise(*(x.transpose(1, 2) for x in (q, k, v, a, b, g_chan)))[0]
+                .transpose(1, 2)
+            ),
         ),
     }
     assert set(cases) == set(OPS)

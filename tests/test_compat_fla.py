@@ -2,7 +2,9 @@
 
 The reference below is the per-token recurrence written out in fla's layout ``(B, T, H, d)``
 with grouped value heads (query/key head ``j // G`` serves value head ``j``), run per sequence
-for ``cu_seqlens``: an independent float64 statement of what each op computes.
+for ``cu_seqlens``: an independent float64 statement of what each op computes. With ``a, b``
+it is the generalized (DPLR) rule, ``S_t = diag(exp(gk_t)) S_{t-1} + b_t (a_t^T S_{t-1}) +
+k_t v_t^T``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def reference(
     *,
     beta: Any = None,
     g: Any = None,
+    a: Any = None,
+    b: Any = None,
     scale: float | None = None,
     S0: Any = None,
     z0: Any = None,
@@ -54,9 +58,13 @@ def reference(
     outs = []
     for t in range(T):
         q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]
+        if a is not None:  # the DPLR term reads the state before the token's decay
+            read = xp.sum(S * a[:, t][..., None], axis=-2)
         if g is not None:
-            a = xp.exp(g[:, t])
-            S = S * (a[..., None] if a.ndim == 3 else a[..., None, None])
+            decay = xp.exp(g[:, t])
+            S = S * (decay[..., None] if decay.ndim == 3 else decay[..., None, None])
+        if a is not None:
+            S = S + b[:, t][..., None] * read[..., None, :]
         if delta:
             b_t = 1.0 if beta is None else beta[:, t][..., None]
             u = b_t * (v_t - xp.sum(S * k_t[..., None], axis=-2))
@@ -76,7 +84,7 @@ def reference_varlen(offsets: list[int], q: Any, k: Any, v: Any, **kw: Any) -> t
     """Packed sequences ``(1, T, ...)``, each from its own state ``kw['S0'][n]``."""
     xp = array_api_compat.array_namespace(q)
     S0 = kw.pop("S0", None)
-    per_token = {n: kw.pop(n) for n in ("beta", "g") if kw.get(n) is not None}
+    per_token = {n: kw.pop(n) for n in ("beta", "g", "a", "b") if kw.get(n) is not None}
     outs, states = [], []
     for n, (a, b) in enumerate(itertools.pairwise(offsets)):
         cut = {name: x[:, a:b] for name, x in per_token.items()}
@@ -94,11 +102,16 @@ def reference_varlen(offsets: list[int], q: Any, k: Any, v: Any, **kw: Any) -> t
 
 LINEAR = ["linear_attn", "simple_gla", "simple_gla_gamma", "gla", "retention"]
 DELTA = ["delta_rule", "gated_delta_rule", "kda"]
+DPLR = ["dplr_delta_rule", "rwkv7"]
 
 
 #: fla's ``chunk_size`` keyword where the op takes one (T = 37 is not a multiple of any).
 CHUNK_SIZES = {"simple_gla": 16, "simple_gla_gamma": 8, "retention": 16, "delta_rule": 16,
-               "gated_delta_rule": 16, "kda": 32}  # fmt: skip
+               "gated_delta_rule": 16, "kda": 32, "dplr_delta_rule": 16,
+               "rwkv7": 16}  # fmt: skip
+
+#: The default ``scale`` where it is not ``K ** -0.5`` (fla's chunk_rwkv7: 1).
+DEFAULT_SCALES = {("rwkv7", "chunk"): 1.0}
 
 
 def retention_gates(H: int) -> np.ndarray:
@@ -126,6 +139,11 @@ def make_inputs(
         x["g_gamma"] = -rng.uniform(0.01, 0.5, (H,))
     if family in ("gla", "kda"):
         x["g"] = -rng.uniform(0.01, 0.5, (B, T, HV, K))
+    if family in DPLR:  # RWKV-7's transition: a = -kk, b = kk * a_lr, per key head
+        kk = rng.standard_normal((B, T, H, K))
+        kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+        x["a"], x["b"] = -kk, kk * rng.uniform(0.1, 0.9, (B, T, H, K))
+        x["g"] = -rng.uniform(0.01, 0.5, (B, T, H, K))
     return x
 
 
@@ -147,6 +165,11 @@ def call(family: str, form: str, x: dict[str, Any], **options: Any) -> tuple[Any
         return fn(q, k, v, **options)
     if family == "delta_rule":
         return fn(q, k, v, x["beta"], **options)
+    if family == "dplr_delta_rule":
+        return fn(q, k, v, x["a"], x["b"], x["g"], **options)
+    if family == "rwkv7":  # r, w, k, v, a, b; fused_recurrent_rwkv7 returns the state by default
+        options.setdefault("output_final_state", False)
+        return fn(q, x["g"], k, v, x["a"], x["b"], **options)
     return fn(q, k, v, g=x["g"], beta=x["beta"], **options)
 
 
@@ -157,6 +180,10 @@ def reference_gates(family: str, x: dict[str, Any]) -> dict[str, Any]:
         return {"g": np.broadcast_to(retention_gates(H), (B, T, H))}
     if family == "simple_gla_gamma":
         return {"g": np.broadcast_to(x["g_gamma"], (B, T, H))}
+    if family in DPLR:  # per key head: each serves its HV // H value heads
+        G = x["v"].shape[2] // H
+        xp = array_api_compat.array_namespace(x["q"])
+        return {n: xp.stack([x[n][:, :, j // G] for j in range(H * G)], axis=2) for n in "gab"}
     return {"g": x.get("g"), "beta": x.get("beta"), "delta": family in DELTA}
 
 
@@ -176,7 +203,7 @@ def tolerance(dtype: Any) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("form", ["chunk", "fused_recurrent"])
-@pytest.mark.parametrize("family", LINEAR + DELTA)
+@pytest.mark.parametrize("family", LINEAR + DELTA + DPLR)
 @pytest.mark.parametrize("G", [1, 2])
 def test_op_matches_reference_with_states_and_scale(backend, family, form, G):
     """Initial and final state, an explicit scale, T not a multiple of the chunk, HV = G * H."""
@@ -203,13 +230,16 @@ def test_op_matches_reference_with_states_and_scale(backend, family, form, G):
     np.testing.assert_allclose(backend.to_numpy(S), ref_S, rtol=1e-8, atol=1e-9)
     # without output_final_state there is no state; the default scale is K ** -0.5
     o, S = call(family, form, xb)
-    ref_o, _, _ = reference(x["q"], x["k"], x["v"], **reference_gates(family, x))
+    ref_o, _, _ = reference(
+        x["q"], x["k"], x["v"], scale=DEFAULT_SCALES.get((family, form)),
+        **reference_gates(family, x),
+    )  # fmt: skip
     assert S is None
     np.testing.assert_allclose(backend.to_numpy(o), ref_o, rtol=1e-8, atol=1e-9)
 
 
 @pytest.mark.parametrize("form", ["chunk", "fused_recurrent"])
-@pytest.mark.parametrize("family", LINEAR + DELTA)
+@pytest.mark.parametrize("family", LINEAR + DELTA + DPLR)
 def test_varlen_each_sequence_from_its_own_state(backend, family, form):
     """``cu_seqlens`` (an integer array, B == 1): sequences never see each other."""
     if family == "retention" and form == "fused_recurrent":
@@ -227,7 +257,9 @@ def test_varlen_each_sequence_from_its_own_state(backend, family, form):
         output_final_state=True,
     )  # fmt: skip
     gates = reference_gates(family, x)
-    ref_o, ref_S = reference_varlen(offsets, x["q"], x["k"], x["v"], S0=S0, **gates)
+    ref_o, ref_S = reference_varlen(
+        offsets, x["q"], x["k"], x["v"], S0=S0, scale=DEFAULT_SCALES.get((family, form)), **gates
+    )
     np.testing.assert_allclose(backend.to_numpy(o), ref_o, rtol=1e-8, atol=1e-9)
     np.testing.assert_allclose(backend.to_numpy(S), ref_S, rtol=1e-8, atol=1e-9)
 
@@ -269,15 +301,16 @@ def test_state_v_first_transposes_states(backend, family):
     np.testing.assert_allclose(backend.to_numpy(S_t), np.swapaxes(backend.to_numpy(S), -1, -2))
 
 
-@pytest.mark.parametrize("family", LINEAR + DELTA)
+@pytest.mark.parametrize("family", LINEAR + DELTA + DPLR)
 def test_chunk_and_fused_recurrent_twins_agree(family):
     rng = np.random.default_rng(11)
     G = 1 if family in LINEAR else 2
     x = make_inputs(family, rng, 2, 70, 2, G, 8, 5)
     if family == "retention":
         pytest.skip("fla 0.6.0's retention twin is not part of polylin.compat.fla")
-    o_c, S_c = call(family, "chunk", x, output_final_state=True)
-    o_r, S_r = call(family, "fused_recurrent", x, output_final_state=True)
+    scale = {"scale": 0.5} if family == "rwkv7" else {}  # its twins' defaults differ
+    o_c, S_c = call(family, "chunk", x, output_final_state=True, **scale)
+    o_r, S_r = call(family, "fused_recurrent", x, output_final_state=True, **scale)
     np.testing.assert_allclose(o_c, o_r, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(S_c, S_r, rtol=1e-10, atol=1e-12)
 
@@ -301,7 +334,7 @@ def test_l2_norm_in_kernel(family):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", LINEAR + DELTA)
+@pytest.mark.parametrize("family", LINEAR + DELTA + DPLR)
 def test_bfloat16_inputs_give_bfloat16_outputs(family):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(17)
@@ -312,7 +345,10 @@ def test_bfloat16_inputs_give_bfloat16_outputs(family):
     x64 = {n: a.to(torch.float64).numpy() for n, a in xb.items()}
     o, S = call(family, "chunk", xb, output_final_state=True)
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
-    ref_o, ref_S, _ = reference(x64["q"], x64["k"], x64["v"], **reference_gates(family, x64))
+    ref_o, ref_S, _ = reference(
+        x64["q"], x64["k"], x64["v"], scale=DEFAULT_SCALES.get((family, "chunk")),
+        **reference_gates(family, x64),
+    )  # fmt: skip
     scale = np.abs(ref_o).max()
     np.testing.assert_allclose(o.to(torch.float64).numpy(), ref_o, atol=2e-2 * scale)
     np.testing.assert_allclose(
@@ -321,7 +357,7 @@ def test_bfloat16_inputs_give_bfloat16_outputs(family):
 
 
 @pytest.mark.parametrize("form", ["chunk", "fused_recurrent"])
-@pytest.mark.parametrize("family", LINEAR + DELTA)
+@pytest.mark.parametrize("family", LINEAR + DELTA + DPLR)
 def test_gradients_match_the_reference(family, form):
     """d/d(inputs, gates, initial state) of a loss on the output and the final state."""
     torch = pytest.importorskip("torch")
@@ -351,7 +387,8 @@ def test_gradients_match_the_reference(family, form):
             gates = {"g": xt["g_gamma"].expand(B, T, H)}
         else:
             gates = reference_gates(family, xt)
-        o, S, _ = reference(xt["q"], xt["k"], xt["v"], S0=S0t, **gates)
+        scale = DEFAULT_SCALES.get((family, form))
+        o, S, _ = reference(xt["q"], xt["k"], xt["v"], S0=S0t, scale=scale, **gates)
         return o, S
 
     want = grads(ref)
@@ -581,3 +618,181 @@ def test_backend_library_and_device_kept(backend):
     assert array_api_compat.device(S) == array_api_compat.device(xb["q"])
     if backend in (Backend.NUMPY,):
         assert isinstance(o, np.ndarray)
+
+
+# --------------------------------------------------------------------------------------------
+# The generalized delta rule and RWKV-7: fla's naive forms, defaults, the (kk, a) form, options
+# --------------------------------------------------------------------------------------------
+
+
+def test_equals_fla_naive_dplr():
+    """fla's ``dplr_recurrence`` and ``dplr_chunkwise`` (head-first, scale ``K ** -0.5``)."""
+    torch = pytest.importorskip("torch")
+    naive = fla_naive("generalized_delta_rule/dplr")
+    rng = np.random.default_rng(41)
+    B, T, H, K, V = 2, 64, 2, 8, 4
+    x = {n: torch.asarray(a) for n, a in make_inputs("rwkv7", rng, B, T, H, 1, K, V).items()}
+    S0 = torch.asarray(rng.standard_normal((B, H, K, V)) * 0.3)
+    # float32 in: fla's naive recurrence casts all but `alpha` to float32 and fails on float64
+    head_first = [x[n].transpose(1, 2).float() for n in ("q", "k", "v", "a", "b", "g")]
+    want, want_S = naive.dplr_recurrence(*head_first, initial_state=S0.float())
+    args = (x["q"], x["k"], x["v"], x["a"], x["b"], x["g"])
+    got, got_S = fla.chunk_dplr_delta_rule(*args, initial_state=S0, output_final_state=True)
+    np.testing.assert_allclose(got.numpy(), want.transpose(1, 2).double().numpy(), **F32)
+    np.testing.assert_allclose(got_S.numpy(), want_S.double().numpy(), **F32)
+    # fla's chunk_rwkv7 is chunk_dplr_delta_rule with q = r, gk = w (and scale 1 by default)
+    got, got_S = fla.chunk_rwkv7(
+        x["q"], x["g"], x["k"], x["v"], x["a"], x["b"], scale=K**-0.5, initial_state=S0,
+        output_final_state=True,
+    )  # fmt: skip
+    np.testing.assert_allclose(got.numpy(), want.transpose(1, 2).double().numpy(), **F32)
+    np.testing.assert_allclose(got_S.numpy(), want_S.double().numpy(), **F32)
+
+    want, want_S = naive.dplr_chunkwise(*head_first, chunk_size=32)
+    got, got_S = fla.fused_recurrent_dplr_delta_rule(*args, output_final_state=True)
+    np.testing.assert_allclose(got.numpy(), want.transpose(1, 2).double().numpy(), **F32)
+    np.testing.assert_allclose(got_S.numpy(), want_S.double().numpy(), **F32)
+    got, _ = fla.fused_recurrent_rwkv7(x["q"], x["g"], x["k"], x["v"], x["a"], x["b"])
+    np.testing.assert_allclose(got.numpy(), want.transpose(1, 2).double().numpy(), **F32)
+
+
+def rwkv7_inputs(rng: np.random.Generator, B: int, T: int, H: int, K: int, V: int) -> dict:
+    """RWKV-7's own variables in fla's layout: ``r, w, k, v, kk, a`` (``a`` the learning rate)."""
+    kk = rng.standard_normal((B, T, H, K))
+    return {
+        "r": rng.standard_normal((B, T, H, K)),
+        "w": -np.exp(rng.uniform(-2.0, 0.5, (B, T, H, K))),
+        "k": rng.standard_normal((B, T, H, K)),
+        "v": rng.standard_normal((B, T, H, V)),
+        "kk": kk / np.linalg.norm(kk, axis=-1, keepdims=True),
+        "a": rng.uniform(0.0, 1.0, (B, T, H, K)),
+    }
+
+
+def test_rwkv7_defaults_follow_fla():
+    """chunk_rwkv7 and fused_mul_recurrent_rwkv7: scale 1, no state; fused_recurrent_rwkv7:
+    scale ``K ** -0.5`` and the final state by default (fla 0.6.0's own defaults)."""
+    x = rwkv7_inputs(np.random.default_rng(43), 1, 9, 2, 4, 3)
+    r, w, k, v, kk, lr = (x[n] for n in ("r", "w", "k", "v", "kk", "a"))
+    gates = {"g": w, "a": -kk, "b": kk * lr}
+    ref_1, ref_S, _ = reference(r, k, v, scale=1.0, **gates)
+    ref_default, _, _ = reference(r, k, v, **gates)
+    o, S = fla.chunk_rwkv7(r, w, k, v, -kk, kk * lr)
+    assert S is None
+    np.testing.assert_allclose(o, ref_1, rtol=1e-9, atol=1e-12)
+    o, S = fla.fused_recurrent_rwkv7(r, w, k, v, -kk, kk * lr)
+    np.testing.assert_allclose(o, ref_default, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(S, ref_S, rtol=1e-9, atol=1e-12)
+    o, S = fla.fused_mul_recurrent_rwkv7(r, w, k, v, kk, lr)
+    assert S is None
+    np.testing.assert_allclose(o, ref_1, rtol=1e-9, atol=1e-12)
+
+
+def test_fused_mul_recurrent_rwkv7_matches_reference(backend):
+    """``a = -kk``, ``b = kk * a`` formed inside; states, scale and ``cu_seqlens``."""
+    rng = np.random.default_rng(47)
+    offsets = [0, 4, 4, 15, 23]
+    x = rwkv7_inputs(rng, 1, offsets[-1], 2, 4, 3)
+    S0 = rng.standard_normal((len(offsets) - 1, 2, 4, 3)) * 0.3
+    xb = {n: backend.from_numpy(a) for n, a in x.items()}
+    xp = backend.namespace()
+    cu = xp.asarray(np.asarray(offsets, dtype=np.int64), device=backend.device)
+    o, S = fla.fused_mul_recurrent_rwkv7(
+        *(xb[n] for n in ("r", "w", "k", "v", "kk", "a")), scale=0.7,
+        initial_state=backend.from_numpy(S0), output_final_state=True, cu_seqlens=cu,
+    )  # fmt: skip
+    ref_o, ref_S = reference_varlen(
+        offsets, x["r"], x["k"], x["v"], S0=S0, scale=0.7, g=x["w"], a=-x["kk"],
+        b=x["kk"] * x["a"],
+    )  # fmt: skip
+    assert type(o) is type(xb["r"]) and o.dtype == xb["r"].dtype
+    np.testing.assert_allclose(backend.to_numpy(o), ref_o, rtol=1e-8, atol=1e-9)
+    np.testing.assert_allclose(backend.to_numpy(S), ref_S, rtol=1e-8, atol=1e-9)
+
+
+def test_fused_mul_recurrent_rwkv7_bfloat16_and_gradients():
+    torch = pytest.importorskip("torch")
+    x = rwkv7_inputs(np.random.default_rng(53), 1, 20, 2, 8, 4)
+    names = ("r", "w", "k", "v", "kk", "a")
+    xb = {n: torch.asarray(x[n], dtype=torch.bfloat16) for n in names}
+    o, S = fla.fused_mul_recurrent_rwkv7(*(xb[n] for n in names), output_final_state=True)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    x64 = {n: t.double().numpy() for n, t in xb.items()}
+    ref_o, ref_S, _ = reference(
+        x64["r"], x64["k"], x64["v"], scale=1.0, g=x64["w"], a=-x64["kk"],
+        b=x64["kk"] * x64["a"],
+    )  # fmt: skip
+    np.testing.assert_allclose(o.double().numpy(), ref_o, atol=2e-2 * np.abs(ref_o).max())
+    np.testing.assert_allclose(
+        S.double().numpy(), ref_S, rtol=1e-4, atol=1e-4 * np.abs(ref_S).max()
+    )
+
+    def grads(run):
+        xt = {n: torch.tensor(x[n], requires_grad=True) for n in names}
+        o, S = run(xt)
+        (o.sin().sum() + S.cos().sum()).backward()
+        return {n: t.grad.numpy() for n, t in xt.items()}
+
+    got = grads(lambda xt: fla.fused_mul_recurrent_rwkv7(
+        *(xt[n] for n in names), output_final_state=True
+    ))  # fmt: skip
+    want = grads(lambda xt: reference(
+        xt["r"], xt["k"], xt["v"], scale=1.0, g=xt["w"], a=-xt["kk"], b=xt["kk"] * xt["a"]
+    )[:2])  # fmt: skip
+    for name in names:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-7, atol=1e-9, err_msg=name)
+
+
+def test_dplr_speed_hints_change_nothing():
+    """``safe_gate``, ``disable_recompute``, a negative ``lower_bound``, ``chunk_size``."""
+    x = make_inputs("dplr_delta_rule", np.random.default_rng(59), 1, 30, 2, 1, 4, 3)
+    args = (x["q"], x["k"], x["v"], x["a"], x["b"], x["g"])
+    want, _ = fla.chunk_dplr_delta_rule(*args)
+    hinted, _ = fla.chunk_dplr_delta_rule(
+        *args, safe_gate=True, disable_recompute=True, lower_bound=-5.0, chunk_size=8
+    )
+    np.testing.assert_allclose(hinted, want, rtol=1e-10, atol=1e-12)
+    rwkv, _ = fla.chunk_rwkv7(
+        x["q"], x["g"], x["k"], x["v"], x["a"], x["b"], scale=0.5, safe_gate=True,
+        lower_bound=-1.0, chunk_size=16,
+    )  # fmt: skip
+    np.testing.assert_allclose(rwkv, fla.chunk_dplr_delta_rule(*args, scale=0.5)[0], rtol=1e-10)
+
+
+def test_dplr_argument_rules():
+    x = make_inputs("dplr_delta_rule", np.random.default_rng(61), 1, 6, 2, 1, 4, 3)
+    q, k, v, a, b, gk = (x[n] for n in ("q", "k", "v", "a", "b", "g"))
+    with pytest.raises(NotImplementedError, match="`cp_context`, `some_new_option`"):
+        fla.chunk_dplr_delta_rule(q, k, v, a, b, gk, cp_context=object(), some_new_option=1)
+    with pytest.raises(NotImplementedError, match="`cp_context`"):
+        fla.chunk_rwkv7(q, gk, k, v, a, b, cp_context=object())
+    with pytest.raises(NotImplementedError, match="`reverse`"):
+        fla.fused_recurrent_dplr_delta_rule(q, k, v, a, b, gk, reverse=True)
+    with pytest.raises(NotImplementedError, match="`reverse`"):
+        fla.fused_mul_recurrent_rwkv7(q, gk, k, v, -a, b, reverse=True)
+    with pytest.raises(DeprecationWarning, match="head_first has been removed"):
+        fla.chunk_dplr_delta_rule(q, k, v, a, b, gk, head_first=False)
+
+    def rwkv7(q, k, v, a, b, gk, **options):
+        return fla.chunk_rwkv7(q, gk, k, v, a, b, **options)
+
+    for fn in (fla.chunk_dplr_delta_rule, rwkv7):
+        with pytest.raises(ValueError, match="`lower_bound` must be negative"):
+            fn(q, k, v, a, b, gk, lower_bound=0.0)
+        with pytest.raises(ValueError, match="power of 2"):
+            fn(q, k, v, a, b, gk, chunk_size=12)
+    with pytest.raises(ValueError, match=r"^a must have shape \[B, T, H, K\]"):
+        fla.chunk_dplr_delta_rule(q, k, v, a[:, :, :1], b, gk)
+    with pytest.raises(ValueError, match=r"^w must have shape \[B, T, H, K\]"):
+        fla.fused_recurrent_rwkv7(q, gk[..., 0], k, v, a, b)
+    with pytest.raises(ValueError, match=r"^kk must have shape \[B, T, H, K\]"):
+        fla.fused_mul_recurrent_rwkv7(q, gk, k, v, a[..., 0], b)
+    with pytest.raises(ValueError, match="number of initial states"):
+        fla.chunk_dplr_delta_rule(
+            q, k, v, a, b, gk, cu_seqlens=np.array([0, 2, 6]), initial_state=np.zeros((3, 2, 4, 3))
+        )
+    copies = {n: c.copy() for n, c in x.items()}
+    fla.chunk_dplr_delta_rule(q, k, v, a, b, gk, initial_state=np.ones((1, 2, 4, 3)))
+    fla.fused_mul_recurrent_rwkv7(q, gk, k, v, -a, b)
+    for n in x:
+        np.testing.assert_array_equal(x[n], copies[n])

@@ -23,6 +23,7 @@ __all__ = [
     "ScaledQuery",
     "common_dtype",
     "default_scale",
+    "in_common_dtype",
     "offsets_of",
     "pop_chunk_size",
     "reject",
@@ -133,6 +134,12 @@ def common_dtype(xp: Any, *arrays: Any) -> Any:
     return xp.result_type(*[x for x in arrays if is_array(x)])
 
 
+def in_common_dtype(xp: Any, *arrays: Any) -> tuple[Any, list[Any]]:
+    """The :func:`common_dtype` of ``arrays`` and the arrays cast to it (``None`` kept)."""
+    dtype = common_dtype(xp, *arrays)
+    return dtype, [xp.astype(x, dtype) if is_array(x) and x.dtype != dtype else x for x in arrays]
+
+
 class ScaledQuery:
     """fla's linear-attention ops have no feature map; ``scale`` multiplies the queries.
 
@@ -203,6 +210,18 @@ class FlaHeads(NamedTuple):
         """``(B, T, H, d)`` -> ``(B, T, H, 1, d)`` (``(T, H, 1, d)`` with ``cu_seqlens``)."""
         B, T, H, d = x.shape
         return self._lead(self.xp.reshape(x, (B, T, H, 1, d)))
+
+    def per_key_head(self, x: Any, name: str) -> Any:
+        """A per-key-channel input ``(B, T, H, K)`` (fla's ``a``, ``b``, ``gk``) -> the layout of
+        :meth:`query_key`, shared by the ``HV // H`` value heads of each key head."""
+        if not is_array(x):
+            return x
+        if x.ndim != 4 or x.shape[2] != self.heads:
+            raise ValueError(
+                f"{name} must have shape [B, T, H, K] with H = {self.heads} key heads, got "
+                f"{tuple(x.shape)}"
+            )
+        return self.query_key(x)
 
     def per_value_head(self, x: Any, name: str) -> Any:
         """``(B, T, HV, w)`` or ``(B, T, HV)`` (then ``w = 1``) -> ``(B, T, H, G, w)``."""

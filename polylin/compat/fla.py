@@ -3,15 +3,23 @@
 Each function has the name, signature, defaults, layout and return value of the fla 0.6.0 op of
 the same name (``fla.ops.<family>.chunk`` / ``fused_recurrent``): inputs ``(B, T, H, d)``,
 values and gates with ``HV`` heads (a multiple of ``H``: grouped value heads), ``scale=None``
-meaning ``d_k ** -0.5``, states ``(N, HV, d_k, d_v)``, ``cu_seqlens`` offsets with ``B == 1``,
-and a return value ``(o, final_state or None)``. They take arrays of any array-API library
-(NumPy, PyTorch on CPU or GPU, JAX, CuPy, ...) and return the inputs' library, device and
-dtype. ``chunk_*`` run polylin's chunked form, ``fused_recurrent_*`` its per-token recurrence:
-the same function either way.
+meaning ``d_k ** -0.5`` (``chunk_rwkv7`` defaults to 1, as fla's does), states
+``(N, HV, d_k, d_v)``, ``cu_seqlens`` offsets with ``B == 1``, and a return value
+``(o, final_state or None)``. They take arrays of any array-API library (NumPy, PyTorch on CPU
+or GPU, JAX, CuPy, ...) and return the inputs' library, device and dtype. ``chunk_*`` run
+polylin's chunked form, ``fused_recurrent_*`` its per-token recurrence: the same function
+either way.
 
-They translate arguments only: every number comes from :func:`polylin.causal_linear_attention`
-or :func:`polylin.delta_rule_attention`. An fla option polylin does not compute (a gate applied
-inside the kernel, reverse scans, context parallelism) raises ``NotImplementedError`` naming it.
+The ops: ``chunk_linear_attn``, ``chunk_simple_gla``, ``chunk_gla`` and their
+``fused_recurrent_*`` twins, ``chunk_retention`` (linear attention and its gated forms);
+``chunk_delta_rule``, ``chunk_gated_delta_rule``, ``chunk_kda`` and their twins (the delta
+family); ``chunk_dplr_delta_rule``, ``chunk_rwkv7``, their twins and
+``fused_mul_recurrent_rwkv7`` (the generalized delta rule, RWKV-7).
+
+They translate arguments only: every number comes from :func:`polylin.causal_linear_attention`,
+:func:`polylin.delta_rule_attention` or :func:`polylin.dplr_delta_rule`. An fla option polylin
+does not compute (a gate applied inside the kernel, reverse scans, context parallelism) raises
+``NotImplementedError`` naming it.
 See the documentation page "Coming from flash-linear-attention".
 """
 
@@ -25,11 +33,12 @@ from .._state import LinearAttentionState
 from .._typing import Array
 from ..attention import causal_linear_attention
 from ..delta_rule import delta_rule_attention
+from ..dplr import dplr_delta_rule
 from ._fla_args import (
     FlaHeads,
     ScaledQuery,
-    common_dtype,
     default_scale,
+    in_common_dtype,
     offsets_of,
     pop_chunk_size,
     reject,
@@ -41,17 +50,22 @@ from ._fla_args import (
 __all__ = [
     "FLA_VERSION",
     "chunk_delta_rule",
+    "chunk_dplr_delta_rule",
     "chunk_gated_delta_rule",
     "chunk_gla",
     "chunk_kda",
     "chunk_linear_attn",
     "chunk_retention",
+    "chunk_rwkv7",
     "chunk_simple_gla",
+    "fused_mul_recurrent_rwkv7",
     "fused_recurrent_delta_rule",
+    "fused_recurrent_dplr_delta_rule",
     "fused_recurrent_gated_delta_rule",
     "fused_recurrent_gla",
     "fused_recurrent_kda",
     "fused_recurrent_linear_attn",
+    "fused_recurrent_rwkv7",
     "fused_recurrent_simple_gla",
 ]
 
@@ -677,10 +691,8 @@ def _delta_family(
     offsets = offsets_of(cu_seqlens, cu_seqlens_cpu)
     heads = FlaHeads.of(q, k, v, offsets, initial_state)
     xp = heads.xp
-    out_dtype, dtype = q.dtype, common_dtype(xp, q, k, v, beta, g)
-    q, k, v, beta, g = (
-        xp.astype(x, dtype) if x is not None and x.dtype != dtype else x for x in (q, k, v, beta, g)
-    )
+    out_dtype = q.dtype
+    dtype, (q, k, v, beta, g) = in_common_dtype(xp, q, k, v, beta, g)
     o, S = delta_rule_attention(
         heads.query_key(q),
         heads.query_key(k),
@@ -696,9 +708,15 @@ def _delta_family(
         cu_seqlens=offsets,
         seq_axis=heads.seq_axis,
     )
-    o = heads.output(o if o.dtype == out_dtype else xp.astype(o, out_dtype))
-    final = heads.state_out(S, v_first=state_v_first) if output_final_state else None
-    return o, final
+    return _fla_result(heads, o, S, out_dtype, output_final_state, v_first=state_v_first)
+
+
+def _fla_result(
+    heads: FlaHeads, o: Any, S: Any, out_dtype: Any, output_final_state: bool, *, v_first: bool
+) -> Result:
+    """polylin's output and final state as fla returns them: ``o`` in ``out_dtype``."""
+    o = heads.output(o if o.dtype == out_dtype else heads.xp.astype(o, out_dtype))
+    return o, heads.state_out(S, v_first=v_first) if output_final_state else None
 
 
 def chunk_delta_rule(
@@ -1310,4 +1328,511 @@ def fused_recurrent_kda(
         "fused_recurrent_kda", q, k, v, beta, g, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         cu_seqlens=cu_seqlens, state_v_first=state_v_first, method="recurrent",
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# The generalized delta rule (DPLR, RWKV-7): dplr_delta_rule(..., log_decay=...)
+# --------------------------------------------------------------------------------------------
+
+
+def _dplr_family(
+    q: Any,
+    k: Any,
+    v: Any,
+    a: Any,
+    b: Any,
+    gk: Any,
+    *,
+    scale: float | None,
+    initial_state: Any,
+    output_final_state: bool,
+    cu_seqlens: Any,
+    cu_seqlens_cpu: Any = None,
+    method: str,
+    chunk_size: int = 64,
+    gate_name: str = "gk",
+) -> Result:
+    """One fla DPLR op as one :func:`polylin.dplr_delta_rule` call (fla's ``a`` is polylin's
+    ``a``, its ``b`` polylin's ``b``, its ``gk`` polylin's ``log_decay``)."""
+    offsets = offsets_of(cu_seqlens, cu_seqlens_cpu)
+    heads = FlaHeads.of(q, k, v, offsets, initial_state)
+    xp = heads.xp
+    out_dtype = q.dtype
+    dtype, (q, k, v, a, b, gk) = in_common_dtype(xp, q, k, v, a, b, gk)
+    o, S = dplr_delta_rule(
+        heads.query_key(q),
+        heads.query_key(k),
+        heads.per_value_head(v, "v"),
+        heads.per_key_head(a, "a"),
+        heads.per_key_head(b, "b"),
+        log_decay=heads.per_key_head(gk, gate_name),
+        scale=default_scale(scale, k.shape[-1]),
+        method=method,
+        chunk_size=chunk_size,
+        initial_state=heads.state_in(initial_state, work_dtype(xp, dtype)),
+        return_state=True,
+        cu_seqlens=offsets,
+        seq_axis=heads.seq_axis,
+    )
+    return _fla_result(heads, o, S, out_dtype, output_final_state, v_first=False)
+
+
+def _dplr_chunk_options(
+    op: str,
+    kwargs: dict[str, Any],
+    *,
+    chunk_size: int | None,
+    lower_bound: float | None,
+    cp_context: Any,
+) -> int:
+    """fla's chunked DPLR options: the chunk size, ``lower_bound``'s check, what is rejected.
+
+    ``safe_gate``, ``disable_recompute`` and a negative ``lower_bound`` are speed hints of fla's
+    kernels (the function is the same): accepted, ignored.
+    """
+    reject_head_first(kwargs)
+    if lower_bound is not None and lower_bound >= 0:
+        raise ValueError(
+            f"`lower_bound` must be negative (gk is a log-decay < 0), got {lower_bound}."
+        )
+    reject(op, kwargs, cp_context=(cp_context, None))
+    return pop_chunk_size(op, {"chunk_size": chunk_size}, None)
+
+
+def chunk_dplr_delta_rule(
+    q: Array,
+    k: Array,
+    v: Array,
+    a: Array,
+    b: Array,
+    gk: Array,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Array | None = None,
+    cu_seqlens_cpu: Array | None = None,
+    safe_gate: bool = False,
+    chunk_size: int | None = None,
+    disable_recompute: bool = False,
+    cp_context: Any | None = None,
+    lower_bound: float | None = None,
+    **kwargs: Any,
+) -> Result:
+    """Compute fla's ``chunk_dplr_delta_rule``: the generalized delta rule (DPLR transitions).
+
+    ``S_t = diag(exp(gk_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T``,
+    ``o_t = scale S_t^T q_t``: the low-rank term reads the state before the token's decay.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)`` (or ``HV`` heads, a multiple of ``H``: each key head's ``a``,
+        ``b``, ``gk`` then serve its ``HV // H`` consecutive value heads).
+    a, b : array
+        The low-rank term ``b_t a_t^T`` of each token, ``(B, T, H, K)`` (RWKV-7: ``a = -kk``,
+        ``b = kk * a_lr``). Keep the transition's eigenvalues at most 1 in magnitude.
+    gk : array
+        Log decay per token, head and key channel, ``(B, T, H, K)`` (``<= 0``).
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+    safe_gate : bool
+        A speed hint of fla for bounded gates: accepted, ignored.
+    chunk_size : int, optional
+        The chunk length, a power of 2 (default 64; fla's default is 16: the same function).
+    disable_recompute : bool
+        A memory/speed trade-off of fla: accepted, ignored.
+    cp_context : object, optional
+        Context parallelism: not supported.
+    lower_bound : float, optional
+        The caller's promise ``lower_bound <= gk < 0`` (a speed hint of fla): must be
+        negative, else ignored.
+    **kwargs
+        ``head_first`` raises fla's ``DeprecationWarning``; any other option raises
+        ``NotImplementedError`` naming it.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's rules: ``B != 1`` or a state count that is not the number of sequences with
+        ``cu_seqlens``, ``lower_bound >= 0``; ``a``, ``b`` or ``gk`` not of shape
+        ``(B, T, H, K)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_dplr_delta_rule, fused_recurrent_dplr_delta_rule
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> kk = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    >>> a, b = -kk, kk * rng.uniform(0, 1, (1, 8, 2, 4))
+    >>> gk = -rng.uniform(0, 1, (1, 8, 2, 4))
+    >>> o, S = chunk_dplr_delta_rule(q, k, v, a, b, gk, output_final_state=True)
+    >>> o_r, S_r = fused_recurrent_dplr_delta_rule(q, k, v, a, b, gk, output_final_state=True)
+    >>> bool(np.allclose(o, o_r)), S.shape
+    (True, (1, 2, 4, 4))
+    """
+    chunk_size = _dplr_chunk_options(
+        "chunk_dplr_delta_rule", kwargs, chunk_size=chunk_size, lower_bound=lower_bound,
+        cp_context=cp_context,
+    )  # fmt: skip
+    return _dplr_family(
+        q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, method="chunked", chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+def fused_recurrent_dplr_delta_rule(
+    q: Array,
+    k: Array,
+    v: Array,
+    a: Array,
+    b: Array,
+    gk: Array,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    cu_seqlens: Array | None = None,
+) -> Result:
+    """Compute fla's ``fused_recurrent_dplr_delta_rule``: the generalized rule, token by token.
+
+    :func:`chunk_dplr_delta_rule` computes the same function in chunks. fla's kernel is
+    forward-only; this one is differentiable on PyTorch and JAX.
+
+    Parameters
+    ----------
+    q, k : array
+        Queries and keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    a, b : array
+        The low-rank term ``b_t a_t^T`` of each token, ``(B, T, H, K)``.
+    gk : array
+        Log decay per token, head and key channel, ``(B, T, H, K)`` (``<= 0``).
+    scale : float, optional
+        Multiplies the queries; default ``K ** -0.5``.
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    reverse : bool
+        Scan from the end: not supported (``NotImplementedError`` when True).
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's rules: ``B != 1`` or a state count that is not the number of sequences with
+        ``cu_seqlens``; ``a``, ``b`` or ``gk`` not of shape ``(B, T, H, K)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import fused_recurrent_dplr_delta_rule
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> zero = np.zeros_like(k)      # a = b = 0, gk = 0: unnormalized linear attention
+    >>> o, _ = fused_recurrent_dplr_delta_rule(q, k, v, zero, zero, zero, scale=1.0)
+    >>> scores = np.tril(np.einsum("bthd,bshd->bhts", q, k))
+    >>> bool(np.allclose(o, np.einsum("bhts,bshd->bthd", scores, v)))
+    True
+    """
+    reject("fused_recurrent_dplr_delta_rule", reverse=(reverse, False))
+    return _dplr_family(
+        q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, method="recurrent",
+    )  # fmt: skip
+
+
+def chunk_rwkv7(
+    r: Array,
+    w: Array,
+    k: Array,
+    v: Array,
+    a: Array,
+    b: Array,
+    scale: float = 1.0,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Array | None = None,
+    cu_seqlens_cpu: Array | None = None,
+    safe_gate: bool = False,
+    chunk_size: int | None = None,
+    disable_recompute: bool = False,
+    cp_context: Any | None = None,
+    lower_bound: float | None = None,
+) -> Result:
+    """Compute fla's ``chunk_rwkv7`` (RWKV-7's time mixing) as the generalized delta rule.
+
+    :func:`chunk_dplr_delta_rule` with ``q = r`` and ``gk = w``, ``scale`` 1 by default:
+    ``S_t = diag(exp(w_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T``,
+    ``o_t = scale S_t^T r_t``. ``w`` is the log decay itself (RWKV-7's layer passes
+    ``w = -exp(omega)``, in fla ``-0.6065 * sigmoid(.)``), ``a = -kk``, ``b = kk * a_lr``.
+
+    Parameters
+    ----------
+    r : array
+        Receptances (queries), ``(B, T, H, K)``.
+    w : array
+        Log decay per token, head and key channel, ``(B, T, H, K)`` (``<= 0``).
+    k : array
+        Keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    a, b : array
+        The low-rank term ``b_t a_t^T``, ``(B, T, H, K)``.
+    scale : float
+        Multiplies the receptances; default 1 (as in fla).
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+    cu_seqlens_cpu : array of int, optional
+        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+    safe_gate : bool
+        A speed hint of fla for bounded gates: accepted, ignored.
+    chunk_size : int, optional
+        The chunk length, a power of 2 (default 64; fla's default is 16: the same function).
+    disable_recompute : bool
+        A memory/speed trade-off of fla: accepted, ignored.
+    cp_context : object, optional
+        Context parallelism: not supported.
+    lower_bound : float, optional
+        The caller's promise ``lower_bound <= w < 0`` (a speed hint of fla): must be
+        negative, else ignored.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``r``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's rules: ``B != 1`` or a state count that is not the number of sequences with
+        ``cu_seqlens``, ``lower_bound >= 0``; ``w``, ``a`` or ``b`` not of shape
+        ``(B, T, H, K)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import chunk_rwkv7, fused_mul_recurrent_rwkv7
+    >>> rng = np.random.default_rng(0)
+    >>> r, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> kk = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    >>> a_lr = rng.uniform(0, 1, (1, 8, 2, 4))                 # in-context learning rate
+    >>> w = -np.exp(rng.uniform(-2, 0.5, (1, 8, 2, 4)))        # log decay
+    >>> o, S = chunk_rwkv7(r, w, k, v, -kk, kk * a_lr, output_final_state=True)
+    >>> o_r, _ = fused_mul_recurrent_rwkv7(r, w, k, v, kk, a_lr)
+    >>> bool(np.allclose(o, o_r)), S.shape
+    (True, (1, 2, 4, 4))
+    """
+    chunk_size = _dplr_chunk_options(
+        "chunk_rwkv7", {}, chunk_size=chunk_size, lower_bound=lower_bound,
+        cp_context=cp_context,
+    )  # fmt: skip
+    return _dplr_family(
+        r, k, v, a, b, w, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, method="chunked", chunk_size=chunk_size, gate_name="w",
+    )  # fmt: skip
+
+
+def fused_recurrent_rwkv7(
+    r: Array,
+    w: Array,
+    k: Array,
+    v: Array,
+    a: Array,
+    b: Array,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = True,
+    cu_seqlens: Array | None = None,
+) -> Result:
+    """Compute fla's ``fused_recurrent_rwkv7``: :func:`chunk_rwkv7`, token by token.
+
+    fla's defaults differ from :func:`chunk_rwkv7`'s and are kept: ``scale=None`` means
+    ``K ** -0.5`` here, and the final state is returned by default.
+
+    Parameters
+    ----------
+    r : array
+        Receptances (queries), ``(B, T, H, K)``.
+    w : array
+        Log decay per token, head and key channel, ``(B, T, H, K)`` (``<= 0``).
+    k : array
+        Keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    a, b : array
+        The low-rank term ``b_t a_t^T``, ``(B, T, H, K)``.
+    scale : float, optional
+        Multiplies the receptances; default ``K ** -0.5`` (as in fla; RWKV-7 uses 1).
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``); default True.
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``r``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    ValueError
+        fla's rules: ``B != 1`` or a state count that is not the number of sequences with
+        ``cu_seqlens``; ``w``, ``a`` or ``b`` not of shape ``(B, T, H, K)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import fused_recurrent_rwkv7
+    >>> rng = np.random.default_rng(0)
+    >>> r, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> kk = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    >>> w = np.full((1, 8, 2, 4), -0.5)
+    >>> o, S = fused_recurrent_rwkv7(r, w, k, v, -kk, 0.5 * kk, scale=1.0)
+    >>> o.shape, S.shape
+    ((1, 8, 2, 4), (1, 2, 4, 4))
+    """
+    return _dplr_family(
+        r, k, v, a, b, w, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, method="recurrent",
+        gate_name="w",
+    )  # fmt: skip
+
+
+def fused_mul_recurrent_rwkv7(
+    r: Array,
+    w: Array,
+    k: Array,
+    v: Array,
+    kk: Array,
+    a: Array,
+    scale: float = 1.0,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    cu_seqlens: Array | None = None,
+) -> Result:
+    """Compute fla's ``fused_mul_recurrent_rwkv7``: RWKV-7 from ``kk`` and ``a``, token by token.
+
+    ``kk`` is the normalized key and ``a`` the in-context learning rate:
+    :func:`fused_recurrent_rwkv7` with its ``a = -kk`` and ``b = kk * a`` (formed in the work
+    dtype, as fla's kernel forms them in float32), ``scale`` 1 by default.
+
+    Parameters
+    ----------
+    r : array
+        Receptances (queries), ``(B, T, H, K)``.
+    w : array
+        Log decay per token, head and key channel, ``(B, T, H, K)`` (``<= 0``).
+    k : array
+        Keys, ``(B, T, H, K)``.
+    v : array
+        Values, ``(B, T, H, V)``.
+    kk : array
+        The normalized keys that the transition erases along, ``(B, T, H, K)``.
+    a : array
+        The in-context learning rate per channel, ``(B, T, H, K)``, in ``(0, 1)``.
+    scale : float
+        Multiplies the receptances; default 1 (as in fla).
+    initial_state : array, optional
+        The state to continue from, ``(N, H, K, V)`` (``N``: the batch, or the number of
+        sequences with ``cu_seqlens``).
+    output_final_state : bool
+        Return the state after the last token (else ``None``).
+    reverse : bool
+        Scan from the end: not supported (``NotImplementedError`` when True).
+    cu_seqlens : array of int, optional
+        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
+        the host.
+
+    Returns
+    -------
+    o : array
+        ``(B, T, H, V)``, the library, device and dtype of ``r``.
+    final_state : array or None
+        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An option polylin does not compute, named in the message.
+    ValueError
+        fla's rules: ``B != 1`` or a state count that is not the number of sequences with
+        ``cu_seqlens``; ``w``, ``kk`` or ``a`` not of shape ``(B, T, H, K)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.compat.fla import fused_mul_recurrent_rwkv7
+    >>> rng = np.random.default_rng(0)
+    >>> r, k, v = rng.standard_normal((3, 1, 8, 2, 4))
+    >>> kk = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    >>> w, a = np.full((1, 8, 2, 4), -0.5), np.full((1, 8, 2, 4), 0.5)
+    >>> fused_mul_recurrent_rwkv7(r, w, k, v, kk, a)[0].shape
+    (1, 8, 2, 4)
+    """
+    reject("fused_mul_recurrent_rwkv7", reverse=(reverse, False))
+    heads = FlaHeads.of(r, k, v, None, None)
+    for name, x in (("kk", kk), ("a", a)):
+        heads.per_key_head(x, name)  # fla's names in the shape errors
+    dtype, (kk, a) = in_common_dtype(heads.xp, kk, a)
+    kk, a = (heads.xp.astype(x, work_dtype(heads.xp, dtype)) for x in (kk, a))
+    return _dplr_family(
+        r, k, v, -kk, kk * a, w, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, method="recurrent",
+        gate_name="w",
     )  # fmt: skip
