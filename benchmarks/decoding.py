@@ -200,8 +200,9 @@ def floor_time(lib: Lib, shape: tuple, samples: int) -> dict[str, float]:
 
     ``floor_us``: one read (``sum``) plus one read-and-write (``S * 0.5``) of the state itself,
     as fast as the library streams it (a 1 MiB state stays in cache). ``stream_floor_us``: the
-    same three passes over the state's bytes at the bandwidth of ``multiply(X, 0.5, out=Y)`` on 64 MiB arrays
-    (memory bandwidth, the floor of a state that does not stay in cache between tokens).
+    same three passes over the state's bytes at the bandwidth of ``multiply(X, 0.5, out=Y)``
+    on 64 MiB arrays (memory bandwidth: the floor of a state that leaves the cache between
+    tokens).
     """
     d = shape[-1]
     rng = np.random.default_rng(2)

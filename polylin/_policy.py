@@ -342,12 +342,17 @@ def is_tracer(x: Any) -> bool:
         return False
     if _torch_namespace(x) is not None:
         return False
-    return _is_tracer_type(type(x))
+    cls = type(x)
+    tracer = _TRACER_TYPES.get(cls)
+    if tracer is None:
+        tracer = _TRACER_TYPES.setdefault(
+            cls, any(base.__name__ == "Tracer" for base in cls.__mro__)
+        )
+    return tracer
 
 
-@cache
-def _is_tracer_type(cls: type) -> bool:
-    return any(base.__name__ == "Tracer" for base in cls.__mro__)
+#: Whether each type seen by :func:`is_tracer` is a JAX tracer (one lookup, not an MRO walk).
+_TRACER_TYPES: dict[type, bool] = {}
 
 
 def unsupported_array(x: Any) -> str | None:
