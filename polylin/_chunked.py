@@ -57,6 +57,7 @@ from ._intra_chunk import SCORES, intra_chunk, scalar_gate_scores
 from ._ops import (
     causal_mask,
     concat_leading,
+    dense,
     matmul,
     pad_rows,
     split_rows,
@@ -145,6 +146,8 @@ def causal_chunked(
     pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))
     for q_b, k_b, v_b, mask_b, decay_b in zip(*pieces):
         fq, fk = features(q_b, k_b, mask_b)
+        if block < T:  # a strided block: copied once here, not by every matmul (_ops.dense)
+            fq, fk, v_b = (dense(xp, x) for x in (fq, fk, v_b))
         out, S, z = _block(
             xp, fq, fk, v_b, decay_b, S, z, causal, eps=eps, normalize=normalize, chained=eager
         )

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._intra_chunk import SCORES, SOLVE, intra_chunk, scalar_gate_scores
-from ._ops import causal_mask, l2_normalize, matmul, pad_rows
+from ._ops import causal_mask, dense, l2_normalize, matmul, pad_rows
 from ._policy import cumulative_sum, device, eager_cpu, keep_lower, unstack
 
 __all__ = ["BLOCK_ROWS", "delta_chunked", "delta_recurrent", "delta_step"]
@@ -133,7 +133,7 @@ def delta_chunked(
         blocks = list(zip(*(unstack(xp, x, axis=-4) for x in arrays)))
         # A flattening reshape copies the strided block of q and k once (matmul would copy
         # them at every use, and the key reshapes of the levels too).
-        blocks = [[_dense(xp, x) for x in block[:2]] + list(block[2:]) for block in blocks]
+        blocks = [[dense(xp, x) for x in block[:2]] + list(block[2:]) for block in blocks]
     causal = causal_mask(xp, chunk, chunk, device(k))
     outputs = []
     for block in blocks:
@@ -146,11 +146,6 @@ def delta_chunked(
     lead = out.shape[: -3 if n_blocks == 1 else -4]
     out = xp.reshape(out, (*lead, padded, out.shape[-1]))
     return (out if padded == T else out[..., :T, :]), S
-
-
-def _dense(xp: Any, x: Any) -> Any:
-    """``x`` with its elements in row-major order: a copy only if it is a strided view."""
-    return xp.reshape(xp.reshape(x, (-1,)), x.shape)
 
 
 def _block(

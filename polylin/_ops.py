@@ -11,6 +11,7 @@ __all__ = [
     "broadcast_shape",
     "causal_mask",
     "concat_leading",
+    "dense",
     "l2_normalize",
     "matmul",
     "pad_rows",
@@ -74,6 +75,16 @@ def matmul(xp: Any, a: Any, b: Any) -> Any:
     out = xp.reshape(a @ b, (*common, *a_sizes, rows, *b_sizes, cols))
     order: list[Any] = [*shared, *a_only, "rows", *b_only, "cols"]
     return xp.permute_dims(out, tuple(order.index(i) for i in (*range(rank), "rows", "cols")))
+
+
+def dense(xp: Any, x: Any) -> Any:
+    """``x`` with its elements in row-major order: a copy only if it is a strided view.
+
+    A block cut from a longer sequence (one ``unstack`` along a middle axis) is such a view:
+    PyTorch's batched matmul flattens the leading dimensions and would copy it at every use.
+    Never pass a broadcast view (the copy would materialize the broadcast).
+    """
+    return xp.reshape(xp.reshape(x, (-1,)), x.shape)
 
 
 def widens(x: Any, y: Any) -> bool:
