@@ -158,7 +158,7 @@ def _block(
     ``(I + A)^{-1}`` directly, and ``Wk = T (-diag(beta) K exp(b))`` needs no negation.
     """
     G = rest[0] if rest else None
-    rows = -(K * B)
+    rows = K * (-B)  # negating beta (..., C, 1), not the keys
     if G is None:
         scores = keep_lower(xp, matmul(xp, Q, xp.matrix_transpose(K)), causal)
         blocks = intra_chunk(xp, K, None, [(rows, SOLVE)])

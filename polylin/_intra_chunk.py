@@ -282,8 +282,9 @@ def segment_sums(xp: Any, G: Any, axis: int) -> Any:
     if axis == -2:  # (..., C, w) -> (..., C(r), C(s), w)
         repeated = G[..., :, None, :]
         later = later[:, :, None]
-    else:  # axis == -1: (..., C) -> (..., C(r), C(s))
-        repeated = G[..., :, None]
+    else:  # axis == -1: (..., C) -> (..., C(r), C(s)): the strictly lower triangle
+        repeated = xp.broadcast_to(G[..., :, None], (*G.shape, length))
+        return cumulative_sum(xp, keep_lower(xp, repeated, later, strict=True), axis=-2)
     terms = xp.where(later, repeated, 0.0)
     return cumulative_sum(xp, terms, axis=axis - 1)
 
