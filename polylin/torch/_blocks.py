@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .._state import LinearAttentionState
 from ..convolution import causal_conv1d, causal_conv1d_step
 from ..normalization import rms_norm
 
@@ -21,6 +22,8 @@ __all__ = [
     "check_cache",
     "check_hidden",
     "convolve",
+    "grouped_state",
+    "heads_state",
     "inverse_softplus_dt",
     "padding_mask",
     "positive_int",
@@ -305,6 +308,33 @@ def check_cache(cache: Any, convs: int) -> None:
             f"cache has {len(cache.conv_state)} convolution states; this layer has {convs} "
             "(is it another layer's cache?)"
         )
+
+
+def grouped_state(state: Any, shared: int) -> LinearAttentionState | None:
+    """A cache's :class:`~polylin.LinearAttentionState` over ``(batch, heads, ...)`` as the
+    functions take it for grouped heads: ``(batch, shared, heads // shared, ...)`` (views).
+
+    Head ``h`` is in group ``h // (heads // shared)``, the layers' order of heads.
+    """
+    if state is None:
+        return None
+    S, z = state
+    per_group = S.shape[1] // shared
+    return LinearAttentionState(
+        S.reshape(S.shape[0], shared, per_group, *S.shape[2:]),
+        z.reshape(z.shape[0], shared, per_group, *z.shape[2:]),
+    )
+
+
+def heads_state(state: LinearAttentionState) -> LinearAttentionState:
+    """The functions' grouped state ``(batch, shared, per_group, ...)`` back as the cache's
+    ``(batch, heads, ...)`` (the inverse of :func:`grouped_state`)."""
+    S, z = state
+    heads = S.shape[1] * S.shape[2]
+    z = torch.broadcast_to(z, S.shape[:-1])  # without normalize z may keep a size-1 group axis
+    return LinearAttentionState(
+        S.reshape(S.shape[0], heads, *S.shape[3:]), z.reshape(z.shape[0], heads, *z.shape[3:])
+    )
 
 
 def positive_int(name: str, value: Any) -> int:

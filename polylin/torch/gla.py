@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .._policy import DEFAULT_CHUNK_SIZE
+from .._state import LinearAttentionState
 from ..activations import sigmoid, silu, softplus
 from ..attention import METHODS, causal_linear_attention
 from ..decoding import step as attention_step
@@ -19,6 +20,8 @@ from ._blocks import (
     RMSNorm,
     ShortConvolution,
     convolve,
+    grouped_state,
+    heads_state,
     positive_int,
 )
 
@@ -229,6 +232,10 @@ class GatedLinearAttention(Block):
     def _convs(self) -> list[ShortConvolution]:
         return [self.q_conv1d, self.k_conv1d, self.v_conv1d] if self.use_short_conv else []
 
+    def _state_in(self, cache: LayerCache | None) -> LinearAttentionState | None:
+        """The cache's state over ``num_heads`` as the grouped call takes it."""
+        return None if cache is None else grouped_state(cache.recurrent_state, self.num_kv_heads)
+
     def _inputs(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None, *, one: bool
     ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
@@ -238,28 +245,24 @@ class GatedLinearAttention(Block):
         if self.use_short_conv:
             states = None if cache is None else cache.conv_state
             projected, conv_state = convolve(self._convs(), projected, mask, states, one=one)
+        # kv head h serves query heads h * groups ... (h + 1) * groups - 1: q is
+        # (..., num_kv_heads, groups, d), k, v and g (..., num_kv_heads, 1, d), and polylin
+        # broadcasts the size-1 axis (nothing is copied per group)
         lead = x.shape[:-1]
-        q = projected[0].view(*lead, self.num_heads, self.head_k_dim)
-        k = projected[1].view(*lead, self.num_kv_heads, self.head_k_dim)
-        v = projected[2].view(*lead, self.num_kv_heads, self.head_v_dim)
+        q = projected[0].view(*lead, self.num_kv_heads, self.num_kv_groups, self.head_k_dim)
+        k = projected[1].view(*lead, self.num_kv_heads, 1, self.head_k_dim)
+        v = projected[2].view(*lead, self.num_kv_heads, 1, self.head_v_dim)
         g = -softplus(-self.gk_proj(x)) / self.gate_logit_normalizer  # logsigmoid
         if self.clamp_min is not None:
             g = torch.clamp_min(g, self.clamp_min)
-        g = g.view(*lead, self.num_kv_heads, self.head_k_dim)
-        if (
-            self.num_kv_groups > 1
-        ):  # kv head h serves query heads h * groups ... (h + 1) * groups - 1
-            k, v, g = (
-                t.unsqueeze(-2).expand(*lead, self.num_kv_heads, self.num_kv_groups, t.shape[-1])
-                .reshape(*lead, self.num_heads, t.shape[-1])
-                for t in (k, v, g)
-            )  # fmt: skip
+        g = g.view(*lead, self.num_kv_heads, 1, self.head_k_dim)
         if self.feature_map is not None:
             q, k = self.feature_map(q), self.feature_map(k)
         return [q * self.head_k_dim**-0.5, k, v, g.to(q.dtype)], conv_state
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
+        o = o.reshape(*lead, self.num_heads, self.head_v_dim)  # the groups back into heads
         if self.fuse_norm_and_gate:
             gate = self.g_proj(x).view(*lead, self.num_heads, self.head_v_dim)
             o = self.g_norm_swish_gate(o, gate).reshape(*lead, self.value_dim)
@@ -275,17 +278,17 @@ class GatedLinearAttention(Block):
         (q, k, v, g), conv_state = self._inputs(x, mask, cache, one=False)
         o, state = causal_linear_attention(
             q, k, v, identity, method=self.method, chunk_size=self.chunk_size,
-            initial_state=None if cache is None else cache.recurrent_state, return_state=True,
-            attention_mask=mask, seq_axis=1, log_decay=g, normalize=False,
+            initial_state=self._state_in(cache), return_state=True, attention_mask=mask,
+            seq_axis=1, log_decay=g, normalize=False,
         )  # fmt: skip
-        return self._output(o, x), LayerCache(conv_state, state)
+        return self._output(o, x), LayerCache(conv_state, heads_state(state))
 
     def _token(
         self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
     ) -> tuple[torch.Tensor, LayerCache]:
         (q, k, v, g), conv_state = self._inputs(x_t, mask, cache, one=True)
         o, state = attention_step(
-            q, k, v, None if cache is None else cache.recurrent_state, identity,
-            attention_mask=mask, log_decay=g, normalize=False,
+            q, k, v, self._state_in(cache), identity, attention_mask=mask, log_decay=g,
+            normalize=False,
         )  # fmt: skip
-        return self._output(o, x_t), LayerCache(conv_state, state)
+        return self._output(o, x_t), LayerCache(conv_state, heads_state(state))

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._state import LinearAttentionState
 from ..activations import silu, softplus
 from ..attention import causal_linear_attention
 from ..decoding import step as attention_step
@@ -17,6 +18,8 @@ from ._blocks import (
     LayerCache,
     RMSNorm,
     ShortConvolution,
+    grouped_state,
+    heads_state,
     inverse_softplus_dt,
     positive_int,
 )
@@ -222,36 +225,42 @@ class Mamba2(Block):
     def _ssm_inputs(
         self, xBC: torch.Tensor, dt: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q = C``, ``k = B``, ``v = dt x``, the log decay ``dt A`` and ``x`` per head."""
+        """``q = C``, ``k = B``, ``v = dt x``, the log decay ``dt A`` and ``x`` per head.
+
+        Head ``h`` reads group ``h // (num_heads // n_groups)``: ``v`` and the log decay are
+        ``(..., n_groups, heads per group, d)``, ``B`` and ``C`` ``(..., n_groups, 1,
+        state_size)``, and polylin broadcasts the size-1 axis (nothing is copied per head).
+        """
         lead = xBC.shape[:-1]
         groups = self.n_groups * self.ssm_state_size
         sizes = [self.intermediate_size, groups, groups]
         x, B, C = torch.split(xBC, sizes, dim=-1)
-        x = x.reshape(*lead, self.num_heads, self.head_dim)
         per_group = self.num_heads // self.n_groups
-        # head h reads group h // per_group: a broadcast of each group over its heads
-        B, C = (
-            t.reshape(*lead, self.n_groups, 1, self.ssm_state_size)
-            .expand(*lead, self.n_groups, per_group, self.ssm_state_size)
-            .reshape(*lead, self.num_heads, self.ssm_state_size)
-            for t in (B, C)
-        )  # fmt: skip
+        x = x.reshape(*lead, self.n_groups, per_group, self.head_dim)
+        B, C = (t.reshape(*lead, self.n_groups, 1, self.ssm_state_size) for t in (B, C))
         dt = softplus(dt + self.dt_bias)
         low, high = self.dt_limit
         if low > 0.0 or high < math.inf:
             dt = torch.clamp(dt, low, high)
-        log_decay = (-torch.exp(self.A_log) * dt).to(x.dtype)[..., None]
-        v = x * dt.to(x.dtype)[..., None]
+        log_decay = (-torch.exp(self.A_log) * dt).to(x.dtype)
+        log_decay, dt = (t.reshape(*lead, self.n_groups, per_group, 1) for t in (log_decay, dt))
+        v = x * dt.to(x.dtype)
         return C, B, v, log_decay, x
 
     def _output(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        D = self.D.view(self.num_heads, self.head_dim) if self.D_has_hdim else self.D[:, None]
+        """``y`` and ``x`` are ``(..., n_groups, heads per group, head_dim)``."""
+        per_group = self.num_heads // self.n_groups
+        D = self.D.view(self.n_groups, per_group, -1)  # (.., 1) without D_has_hdim
         y = (y + x * D).reshape(*z.shape)
         y = self.norm(y, z) if self.rmsnorm else y * silu(z)
         return self.out_proj(y)
 
     def _convs(self) -> list[ShortConvolution]:
         return [self.conv1d]
+
+    def _state_in(self, cache: LayerCache | None) -> LinearAttentionState | None:
+        """The cache's state over ``num_heads`` as the grouped call takes it."""
+        return None if cache is None else grouped_state(cache.recurrent_state, self.n_groups)
 
     def _sequence(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
@@ -262,10 +271,10 @@ class Mamba2(Block):
         q, k, v, log_decay, xs = self._ssm_inputs(xBC, dt)
         y, state = causal_linear_attention(
             q, k, v, identity, method=self.method, chunk_size=self.chunk_size,
-            initial_state=None if cache is None else cache.recurrent_state, return_state=True,
-            attention_mask=mask, seq_axis=1, log_decay=log_decay, normalize=False,
+            initial_state=self._state_in(cache), return_state=True, attention_mask=mask,
+            seq_axis=1, log_decay=log_decay, normalize=False,
         )  # fmt: skip
-        return self._output(y, xs, z), LayerCache((conv_state,), state)
+        return self._output(y, xs, z), LayerCache((conv_state,), heads_state(state))
 
     def _token(
         self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
@@ -275,7 +284,7 @@ class Mamba2(Block):
         xBC, conv_state = self.conv1d.step(xBC, conv_state, mask)
         q, k, v, log_decay, xs = self._ssm_inputs(xBC, dt)
         y, state = attention_step(
-            q, k, v, None if cache is None else cache.recurrent_state, identity,
-            attention_mask=mask, log_decay=log_decay, normalize=False,
+            q, k, v, self._state_in(cache), identity, attention_mask=mask,
+            log_decay=log_decay, normalize=False,
         )  # fmt: skip
-        return self._output(y, xs, z), LayerCache((conv_state,), state)
+        return self._output(y, xs, z), LayerCache((conv_state,), heads_state(state))
