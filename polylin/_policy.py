@@ -191,9 +191,12 @@ def keep_lower(xp: Any, x: Any, mask: Any, *, strict: bool = False) -> Any:
 def nonpositive(xp: Any, x: Any) -> Any:
     """``where(x > 0, 0, x)``: values above 0 taken as 0, NaN kept, the gradient 1 wherever
     ``x <= 0`` (``minimum`` would halve it at 0 on PyTorch and JAX). PyTorch: one ``clamp``,
-    whose gradient is the same (two operations fewer per decoding step)."""
+    whose gradient is the same; NumPy (no gradients): one ``minimum``. One operation instead
+    of two, in every decoding step."""
     if _torch_namespace(x) is not None:
         return sys.modules["torch"].clamp(x, max=0.0)
+    if _is_numpy_array(x):
+        return xp.minimum(x, 0.0)
     return xp.where(x > 0.0, 0.0, x)
 
 

@@ -260,7 +260,9 @@ def prepare_step(
     feature_map : callable, optional
         As in :func:`step`. It is called on every token; a map whose output shape could
         change for inputs of the same shape is not supported.
-    eps, normalize
+    eps : float
+        As in :func:`step`; checked at the first call.
+    normalize : bool
         As in :func:`step`; checked at the first call.
 
     Returns

@@ -401,7 +401,9 @@ def prepare_delta_rule_step(
 
     Parameters
     ----------
-    scale, qk_l2norm
+    scale : float
+        As in :func:`delta_rule_step`; checked at the first call.
+    qk_l2norm : bool
         As in :func:`delta_rule_step`; checked at the first call.
 
     Returns

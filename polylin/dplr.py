@@ -371,7 +371,7 @@ def prepare_dplr_step(*, scale: float = 1.0) -> PreparedDplrStep:
 
     Parameters
     ----------
-    scale
+    scale : float
         As in :func:`dplr_delta_rule_step`; checked at the first call.
 
     Returns
