@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def write_tables(result: dict, folder: Path | None) -> None:
     if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
         for name, text in markdown(result).items():
             (folder / name).write_text(text)
 
