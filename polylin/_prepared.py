@@ -73,6 +73,13 @@ class PreparedStep:
     first call, and any call whose arrays differ in library, shape, dtype or device (or whose
     numbers differ) from the one before it, is checked like the plain step and raises the same
     errors; the others run the arithmetic alone. Outputs equal the plain step's exactly.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import PreparedStep, prepare_step
+    >>> isinstance(prepare_step(), PreparedStep)
+    True
     """
 
     __slots__ = ("_key", "_plan", "_plan_fn", "_run_fn")

@@ -220,7 +220,18 @@ def _run_step(
 
 
 class PreparedLinearStep(PreparedStep):
-    """:func:`step` checked once per signature: see :func:`prepare_step`."""
+    """:func:`step` checked once per signature: see :func:`prepare_step`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import prepare_step, step
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 4))
+    >>> decode = prepare_step()
+    >>> o_t, state = decode(q, k, v)
+    >>> bool(np.array_equal(o_t, step(q, k, v)[0]))
+    True
+    """
 
     __slots__ = ()
 

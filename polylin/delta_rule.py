@@ -367,7 +367,18 @@ def _run_step(
 
 
 class PreparedDeltaRuleStep(PreparedStep):
-    """:func:`delta_rule_step` checked once per signature: see :func:`prepare_delta_rule_step`."""
+    """:func:`delta_rule_step` checked once per signature: see :func:`prepare_delta_rule_step`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import delta_rule_step, prepare_delta_rule_step
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 4))
+    >>> decode = prepare_delta_rule_step()
+    >>> o_t, S = decode(q, k, v, 0.5)
+    >>> bool(np.array_equal(o_t, delta_rule_step(q, k, v, 0.5)[0]))
+    True
+    """
 
     __slots__ = ()
 

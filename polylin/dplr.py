@@ -339,7 +339,18 @@ def _run_step(
 
 
 class PreparedDplrStep(PreparedStep):
-    """:func:`dplr_delta_rule_step` checked once per signature: see :func:`prepare_dplr_step`."""
+    """:func:`dplr_delta_rule_step` checked once per signature: see :func:`prepare_dplr_step`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import dplr_delta_rule_step, prepare_dplr_step
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 4))
+    >>> decode = prepare_dplr_step()
+    >>> o_t, S = decode(q, k, v, -0.5 * k, 0.5 * k)
+    >>> bool(np.array_equal(o_t, dplr_delta_rule_step(q, k, v, -0.5 * k, 0.5 * k)[0]))
+    True
+    """
 
     __slots__ = ()
 
