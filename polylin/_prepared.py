@@ -74,6 +74,14 @@ class PreparedStep:
     numbers differ) from the one before it, is checked like the plain step and raises the same
     errors; the others run the arithmetic alone. Outputs equal the plain step's exactly.
 
+    Parameters
+    ----------
+    plan : callable
+        The step's checks: ``plan(*args) -> (plan, checked)`` (built by the ``prepare_*``
+        functions, not by hand).
+    run : callable
+        The step's arithmetic: ``run(plan, *args, checked=None)``.
+
     Examples
     --------
     >>> import numpy as np

@@ -222,6 +222,14 @@ def _run_step(
 class PreparedLinearStep(PreparedStep):
     """:func:`step` checked once per signature: see :func:`prepare_step`.
 
+    Parameters
+    ----------
+    plan : callable
+        The step's checks: ``plan(*args) -> (plan, checked)`` (built by the ``prepare_*``
+        functions, not by hand).
+    run : callable
+        The step's arithmetic: ``run(plan, *args, checked=None)``.
+
     Examples
     --------
     >>> import numpy as np

@@ -369,6 +369,14 @@ def _run_step(
 class PreparedDeltaRuleStep(PreparedStep):
     """:func:`delta_rule_step` checked once per signature: see :func:`prepare_delta_rule_step`.
 
+    Parameters
+    ----------
+    plan : callable
+        The step's checks: ``plan(*args) -> (plan, checked)`` (built by the ``prepare_*``
+        functions, not by hand).
+    run : callable
+        The step's arithmetic: ``run(plan, *args, checked=None)``.
+
     Examples
     --------
     >>> import numpy as np

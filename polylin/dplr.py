@@ -341,6 +341,14 @@ def _run_step(
 class PreparedDplrStep(PreparedStep):
     """:func:`dplr_delta_rule_step` checked once per signature: see :func:`prepare_dplr_step`.
 
+    Parameters
+    ----------
+    plan : callable
+        The step's checks: ``plan(*args) -> (plan, checked)`` (built by the ``prepare_*``
+        functions, not by hand).
+    run : callable
+        The step's arithmetic: ``run(plan, *args, checked=None)``.
+
     Examples
     --------
     >>> import numpy as np
