@@ -34,9 +34,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.baselines import fla_naive
-from polylin.compat import fla
-from polylin.compat.transformers import use_polylin, use_transformers_fallback
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and polylin
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.baselines import fla_naive  # noqa: E402
+from polylin.compat import fla  # noqa: E402
+from polylin.compat.transformers import use_polylin, use_transformers_fallback  # noqa: E402
 
 VOCAB = 1024
 
