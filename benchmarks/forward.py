@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.baselines import fla_naive  # noqa: E402
-from benchmarks.timing import interleaved_times, run_metadata  # noqa: E402
+from benchmarks.timing import goal, interleaved_times, run_metadata, write_report  # noqa: E402
 from polylin import causal_linear_attention  # noqa: E402
 from polylin.feature_maps import identity  # noqa: E402
 
@@ -128,17 +127,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for row in report["rows"]:
         for num, den, limit in GOALS:
             if den in row:
-                ratio = row[num] / row[den]
-                report["goals"].append({
-                    "name": f"{num} / {den}, T={row['T']}, {row['threads']} threads",
-                    "value": ratio, "limit": limit, "met": ratio <= limit,
-                })  # fmt: skip
-    for goal in report["goals"]:
-        print(f"{'met ' if goal['met'] else 'MISS'} {goal['name']}: {goal['value']:.2f} "
-              f"(at most {goal['limit']})")
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return report
+                name = f"{num} / {den}, T={row['T']}, {row['threads']} threads"
+                report["goals"].append(goal(name, row[num] / row[den], limit))
+    return write_report(report, args.json)
 
 
 def print_row(row: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import platform
 import resource
@@ -21,6 +22,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 from polylin.testing import Backend
@@ -31,10 +33,12 @@ __all__ = [
     "Progress",
     "Timing",
     "gemm_rate",
+    "goal",
     "interleaved_times",
     "peak_memory",
     "run_metadata",
     "time_call",
+    "write_report",
 ]
 
 
@@ -165,6 +169,21 @@ def gemm_rate(backend: Backend, n: int, *, dtype: str = "float32", repeats: int 
     xp = backend.namespace()
     timing = time_call(backend, lambda: xp.matmul(a, b), repeats=repeats, budget_s=10.0)
     return gemm_flops(n) / timing.median
+
+
+def goal(name: str, value: float, limit: float) -> dict[str, Any]:
+    """One goal of a report: a measured ratio and the limit it must stay at or under."""
+    return {"name": name, "value": value, "limit": limit, "met": value <= limit}
+
+
+def write_report(report: dict[str, Any], path: Any | None) -> dict[str, Any]:
+    """Print ``report["goals"]`` (met or MISS), write the report as JSON to ``path`` if given."""
+    for g in report["goals"]:
+        print(f"{'met ' if g['met'] else 'MISS'} {g['name']}: {g['value']:.2f} "
+              f"(at most {g['limit']})")
+    if path is not None:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 def run_metadata(command: str, **extra: Any) -> dict[str, Any]:

@@ -15,17 +15,15 @@ from .attention import (
     masked_kernel_attention,
 )
 from .convolution import causal_conv1d, causal_conv1d_step
-from .decoding import PreparedLinearStep, prepare_step, step
+from .decoding import prepare_step, step
 from .delta_rule import (
     DELTA_METHODS,
-    PreparedDeltaRuleStep,
     delta_rule_attention,
     delta_rule_step,
     prepare_delta_rule_step,
 )
 from .dplr import (
     DPLR_METHODS,
-    PreparedDplrStep,
     dplr_delta_rule,
     dplr_delta_rule_step,
     prepare_dplr_step,
@@ -39,9 +37,6 @@ __all__ = [
     "DPLR_METHODS",
     "METHODS",
     "LinearAttentionState",
-    "PreparedDeltaRuleStep",
-    "PreparedDplrStep",
-    "PreparedLinearStep",
     "PreparedStep",
     "__version__",
     "activations",

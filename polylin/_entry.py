@@ -23,6 +23,7 @@ from ._decay import log_decay_values
 from ._layout import SequenceLayout
 from ._policy import is_array, is_tracer
 from ._prepare import finish
+from ._prepared import PER_CALL
 from ._validation import (
     AttentionInputs,
     check_cu_seqlens,
@@ -35,6 +36,7 @@ __all__ = [
     "StepPlan",
     "check_log_decay",
     "check_scale",
+    "planned_decay",
     "run_sequences",
     "step_decay",
     "step_state",
@@ -97,15 +99,22 @@ class StepPlan(NamedTuple):
     inputs: AttentionInputs
     scale: float
     state_shape: tuple  # (..., d_k, d_v)
-    decay: Any  # exp(log_decay) of a number log_decay, or None; unused for an array
+    decay: Any  # exp(log_decay) of a number log_decay, None, or PER_CALL for an array
     coefficients: tuple  # per coefficient: its array for a number, None for an array
     qk_l2norm: bool = False
+
+
+def planned_decay(inputs: AttentionInputs, log_decay: Any, g: Any | None) -> Any:
+    """:attr:`StepPlan.decay` for a checked ``log_decay`` and its checked array ``g``."""
+    if is_array(log_decay):
+        return PER_CALL
+    return None if g is None else inputs.xp.exp(g)
 
 
 def step_decay(plan: StepPlan, log_decay: Any) -> Any | None:
     """The decay factor ``exp(g_t)`` of one step (``None``: no decay) of a checked
     ``log_decay``."""
-    if not is_array(log_decay):
+    if plan.decay is not PER_CALL:
         return plan.decay
     inputs = plan.inputs
     per_token = (*plan.state_shape[:-2], 1)

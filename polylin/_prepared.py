@@ -23,7 +23,11 @@ from typing import Any
 
 from ._policy import is_tracer
 
-__all__ = ["PreparedStep", "call_signature"]
+__all__ = ["PER_CALL", "PreparedStep", "call_signature"]
+
+#: In a plan: "this argument is an array, converted at every call" (its signature guarantees
+#: that every call with the plan has an array there too).
+PER_CALL: Any = object()
 
 
 def _signature(x: Any) -> Hashable:
@@ -69,38 +73,91 @@ class PreparedStep:
     """A decoding step that checks its arguments once per signature, then only computes.
 
     Build one with :func:`~polylin.prepare_step`, :func:`~polylin.prepare_delta_rule_step` or
-    :func:`~polylin.prepare_dplr_step`; call it like the step it prepares, once per token. The
-    first call, and any call whose arrays differ in library, shape, dtype or device (or whose
-    numbers differ) from the one before it, is checked like the plain step and raises the same
-    errors; the others run the arithmetic alone. Outputs equal the plain step's exactly.
+    :func:`~polylin.prepare_dplr_step`, and call it like the step it prepares (without the
+    options given to ``prepare_*``), once per token. The first call, and any call whose arrays
+    differ in library, shape, dtype or device (or whose numbers differ) from the one before it,
+    is checked like the plain step and raises the same errors; the others run the arithmetic
+    alone. Outputs equal the plain step's exactly.
 
     Parameters
     ----------
     plan : callable
-        The step's checks: ``plan(*args) -> (plan, checked)`` (built by the ``prepare_*``
-        functions, not by hand).
+        The step's checks: ``plan(*args) -> (plan, checked)``, ``args`` in the order of
+        ``names``.
     run : callable
         The step's arithmetic: ``run(plan, *args, checked=None)``.
+    name : str
+        The prepared step's name, for messages.
+    names : tuple of str
+        The per-token arguments in order.
+    required : int
+        How many of them must be given (positionally).
+    positional_only : int
+        How many of them cannot be passed by keyword; the others can.
+    positional : int
+        How many can be passed positionally at most.
 
     Examples
     --------
     >>> import numpy as np
-    >>> from polylin import PreparedStep, prepare_step
-    >>> isinstance(prepare_step(), PreparedStep)
+    >>> from polylin import delta_rule_step, prepare_delta_rule_step
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 4))
+    >>> decode = prepare_delta_rule_step()
+    >>> o_t, S = decode(q, k, v, 0.5, log_decay=-0.1)
+    >>> bool(np.array_equal(o_t, delta_rule_step(q, k, v, 0.5, log_decay=-0.1)[0]))
     True
     """
 
-    __slots__ = ("_key", "_plan", "_plan_fn", "_run_fn")
+    __slots__ = (
+        "_key", "_keywords", "_name", "_names", "_plan", "_plan_fn", "_run_fn", "_sizes", "_split"
+    )  # fmt: skip
 
-    def __init__(self, plan: Callable[..., tuple[Any, Any]], run: Callable[..., Any]) -> None:
-        self._plan_fn, self._run_fn = plan, run
+    def __init__(
+        self,
+        plan: Callable[..., tuple[Any, Any]],
+        run: Callable[..., Any],
+        *,
+        name: str,
+        names: tuple[str, ...],
+        required: int,
+        positional_only: int,
+        positional: int,
+    ) -> None:
+        self._plan_fn, self._run_fn, self._name, self._names = plan, run, name, names
+        self._keywords = frozenset(names[positional_only:])
+        self._sizes = (required, positional)
+        # Per number of positional arguments: the names they take, and the names left.
+        self._split = tuple((frozenset(names[:n]), names[n:]) for n in range(len(names) + 1))
         self._key: Hashable = None
         self._plan: Any = None
 
-    def _call(self, args: tuple) -> Any:
-        key = call_signature(args)
+    def __repr__(self) -> str:
+        return f"<prepared {self._name}({', '.join(self._names)})>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """One token: the step's ``(o_t, state)`` (see the ``prepare_*`` function)."""
+        n, (required, positional) = len(args), self._sizes
+        if not required <= n <= positional:
+            raise self._argument_error(args, kwargs)
+        given, rest = self._split[n]
+        if kwargs and not (self._keywords.issuperset(kwargs) and given.isdisjoint(kwargs)):
+            raise self._argument_error(args, kwargs)
+        call = args + tuple(map(kwargs.get, rest))
+        key = call_signature(call)
         if key is not None and key == self._key:
-            return self._run_fn(self._plan, *args)
-        plan, checked = self._plan_fn(*args)
+            return self._run_fn(self._plan, *call)
+        plan, checked = self._plan_fn(*call)
         self._key, self._plan = key, plan
-        return self._run_fn(plan, *args, checked=checked)
+        return self._run_fn(plan, *call, checked=checked)
+
+    def _argument_error(self, args: tuple, kwargs: dict[str, Any]) -> TypeError:
+        required, positional = self._sizes
+        if not required <= len(args) <= positional:
+            return TypeError(
+                f"{self._name} takes {required} to {positional} positional arguments "
+                f"({', '.join(self._names[:positional])}), got {len(args)}"
+            )
+        unknown = sorted(set(kwargs) - self._keywords)
+        if unknown:
+            return TypeError(f"{self._name} got unexpected keyword arguments {unknown}")
+        return TypeError(f"{self._name} got an argument both by position and by keyword")

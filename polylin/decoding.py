@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 from ._decay import check_log_decay, check_normalize, log_decay_values
 from ._policy import DEFAULT_EPS, is_array
 from ._prepare import apply_feature_map, finish, map_features, resolve_feature_map, select
-from ._prepared import PreparedStep
+from ._prepared import PER_CALL, PreparedStep
 from ._recurrent import recurrent_step
 from ._state import LinearAttentionState
 from ._typing import Array
@@ -21,7 +22,7 @@ from ._validation import (
 )
 from .attention import FeatureMap
 
-__all__ = ["PreparedLinearStep", "prepare_step", "step"]
+__all__ = ["prepare_step", "step"]
 
 
 def step(
@@ -131,7 +132,8 @@ class _StepPlan(NamedTuple):
     normalize: bool
     mask_shape: tuple | None  # the token mask as (..., 1)
     state_shapes: tuple[tuple, tuple]  # (S, z) broadcast to the batch
-    fixed_decay: Any  # the log decay when it is a number or None (the same at every call)
+    broadcast_state: bool  # a given state has fewer leading dimensions than the batch
+    fixed_decay: Any  # the log decay of a number or None (the same at every call), or PER_CALL
 
 
 def _plan_step(
@@ -173,7 +175,9 @@ def _plan_step(
         normalize,
         None if mask is None else tuple(mask.shape),
         (tuple(S.shape), tuple(z.shape)),
-        None if is_array(log_decay) else decay,
+        state is not None
+        and (tuple(state[0].shape), tuple(state[1].shape)) != (tuple(S.shape), tuple(z.shape)),
+        PER_CALL if is_array(log_decay) else decay,
     )
     return plan, (fq, fk)
 
@@ -193,24 +197,26 @@ def _run_step(
     features the checks computed)."""
     inputs = plan.inputs
     xp = inputs.xp
-    mask = None if attention_mask is None else xp.reshape(attention_mask, plan.mask_shape)
-    if checked is None:
-        fq, fk = map_features(
-            inputs, plan.map_query, plan.map_key, select(xp, mask, q_t), select(xp, mask, k_t)
-        )
-    else:
-        fq, fk = checked
-    fk = select(xp, mask, fk)
-    v_t = inputs.to_work_dtype(select(xp, mask, v_t))
+    mask = None
+    if attention_mask is not None:  # masked rows take zeros, before and after the map
+        mask = xp.reshape(attention_mask, plan.mask_shape)
+        v_t = select(xp, mask, v_t)
+        if checked is None:
+            q_t, k_t = select(xp, mask, q_t), select(xp, mask, k_t)
+    fq, fk = checked or map_features(inputs, plan.map_query, plan.map_key, q_t, k_t)
+    if mask is not None:
+        fk = select(xp, mask, fk)
+    v_t = inputs.to_work_dtype(v_t)
     if state is None:
         S0, z0 = (xp.zeros(shape, dtype=inputs.work_dtype, device=inputs.device)
                   for shape in plan.state_shapes)
+    elif plan.broadcast_state:  # a state shared by a batch or by grouped heads
+        S0, z0 = (xp.broadcast_to(x, shape) for x, shape in zip(state, plan.state_shapes))
     else:
-        S0, z0 = (x if tuple(x.shape) == shape else xp.broadcast_to(x, shape)
-                  for x, shape in zip(state, plan.state_shapes))
-    decay = plan.fixed_decay if not is_array(log_decay) else log_decay_values(
-        inputs, log_decay, explicit=1
-    )
+        S0, z0 = state
+    decay = plan.fixed_decay
+    if decay is PER_CALL:
+        decay = log_decay_values(inputs, log_decay, explicit=1)
     o_t, S, z = recurrent_step(
         xp, fq, fk, v_t, S0, z0, plan.eps, log_decay=decay, normalize=plan.normalize
     )
@@ -219,51 +225,12 @@ def _run_step(
     return finish(inputs, o_t, mask), LinearAttentionState(S, z)
 
 
-class PreparedLinearStep(PreparedStep):
-    """:func:`step` checked once per signature: see :func:`prepare_step`.
-
-    Parameters
-    ----------
-    plan : callable
-        The step's checks: ``plan(*args) -> (plan, checked)`` (built by the ``prepare_*``
-        functions, not by hand).
-    run : callable
-        The step's arithmetic: ``run(plan, *args, checked=None)``.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from polylin import prepare_step, step
-    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 4))
-    >>> decode = prepare_step()
-    >>> o_t, state = decode(q, k, v)
-    >>> bool(np.array_equal(o_t, step(q, k, v)[0]))
-    True
-    """
-
-    __slots__ = ()
-
-    def __call__(
-        self,
-        q_t: Array,
-        k_t: Array,
-        v_t: Array,
-        /,
-        state: LinearAttentionState | None = None,
-        *,
-        attention_mask: Array | None = None,
-        log_decay: Array | float | None = None,
-    ) -> tuple[Array, LinearAttentionState]:
-        """Attend one token, as :func:`step` with the prepared options."""
-        return self._call((q_t, k_t, v_t, state, attention_mask, log_decay))
-
-
 def prepare_step(
     feature_map: FeatureMap | None = None,
     *,
     eps: float = DEFAULT_EPS,
     normalize: bool = True,
-) -> PreparedLinearStep:
+) -> PreparedStep:
     """:func:`step` for a decoding loop: arguments checked once, then arithmetic only.
 
     The returned function is called like :func:`step` without its options,
@@ -286,8 +253,8 @@ def prepare_step(
 
     Returns
     -------
-    PreparedLinearStep
-        A callable ``(q_t, k_t, v_t, state=None, *, attention_mask=None, log_decay=None)``.
+    PreparedStep
+        A callable ``(q_t, k_t, v_t, /, state=None, *, attention_mask=None, log_decay=None)``.
 
     Examples
     --------
@@ -305,19 +272,8 @@ def prepare_step(
     True
     """
 
-    def plan(
-        q_t: Any, k_t: Any, v_t: Any, state: Any, attention_mask: Any, log_decay: Any
-    ) -> tuple[_StepPlan, tuple[Array, Array]]:
-        return _plan_step(
-            q_t,
-            k_t,
-            v_t,
-            state,
-            attention_mask,
-            log_decay,
-            feature_map=feature_map,
-            eps=eps,
-            normalize=normalize,
-        )
-
-    return PreparedLinearStep(plan, _run_step)
+    plan = partial(_plan_step, feature_map=feature_map, eps=eps, normalize=normalize)
+    names = ("q_t", "k_t", "v_t", "state", "attention_mask", "log_decay")
+    return PreparedStep(
+        plan, _run_step, name="step", names=names, required=3, positional_only=3, positional=4
+    )

@@ -8,11 +8,20 @@ old value instead of piling up. See ``docs/delta_rule.md`` for the math and the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from ._delta import delta_chunked, delta_recurrent, delta_step
 from ._delta_quadratic import delta_quadratic
-from ._entry import StepPlan, check_log_decay, check_scale, run_sequences, step_decay, step_state
+from ._entry import (
+    StepPlan,
+    check_log_decay,
+    check_scale,
+    planned_decay,
+    run_sequences,
+    step_decay,
+    step_state,
+)
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._ops import l2_normalize
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, is_array
@@ -31,7 +40,6 @@ from ._validation import (
 
 __all__ = [
     "DELTA_METHODS",
-    "PreparedDeltaRuleStep",
     "delta_rule_attention",
     "delta_rule_step",
     "prepare_delta_rule_step",
@@ -322,7 +330,6 @@ def _plan_step(
 ) -> tuple[StepPlan, None]:
     """Check every argument of :func:`delta_rule_step` (the ``plan`` of ``_prepared``)."""
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
-    xp = inputs.xp
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
     beta = check_coefficient(inputs, beta_t, (*batch, 1), name="beta_t", bounds=_BETA_BOUNDS)
     g = check_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
@@ -333,7 +340,7 @@ def _plan_step(
         inputs,
         scale,
         (*batch, d_k, d_v),
-        None if g is None else xp.exp(g),
+        planned_decay(inputs, log_decay, g),
         (None if is_array(beta_t) else beta,),
         qk_l2norm,
     )
@@ -366,48 +373,9 @@ def _run_step(
     return finish(inputs, o_t, None), S
 
 
-class PreparedDeltaRuleStep(PreparedStep):
-    """:func:`delta_rule_step` checked once per signature: see :func:`prepare_delta_rule_step`.
-
-    Parameters
-    ----------
-    plan : callable
-        The step's checks: ``plan(*args) -> (plan, checked)`` (built by the ``prepare_*``
-        functions, not by hand).
-    run : callable
-        The step's arithmetic: ``run(plan, *args, checked=None)``.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from polylin import delta_rule_step, prepare_delta_rule_step
-    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 4))
-    >>> decode = prepare_delta_rule_step()
-    >>> o_t, S = decode(q, k, v, 0.5)
-    >>> bool(np.array_equal(o_t, delta_rule_step(q, k, v, 0.5)[0]))
-    True
-    """
-
-    __slots__ = ()
-
-    def __call__(
-        self,
-        q_t: Array,
-        k_t: Array,
-        v_t: Array,
-        beta_t: Array | float,
-        state: Array | None = None,
-        /,
-        *,
-        log_decay: Array | float | None = None,
-    ) -> tuple[Array, Array]:
-        """One token, as :func:`delta_rule_step` with the prepared options."""
-        return self._call((q_t, k_t, v_t, beta_t, state, log_decay))
-
-
 def prepare_delta_rule_step(
     *, scale: float = 1.0, qk_l2norm: bool = False
-) -> PreparedDeltaRuleStep:
+) -> PreparedStep:
     """:func:`delta_rule_step` for a decoding loop: arguments checked once, then arithmetic only.
 
     The returned function is called like :func:`delta_rule_step` without its options,
@@ -427,7 +395,7 @@ def prepare_delta_rule_step(
 
     Returns
     -------
-    PreparedDeltaRuleStep
+    PreparedStep
         A callable ``(q_t, k_t, v_t, beta_t, state=None, /, *, log_decay=None)``.
 
     Examples
@@ -450,7 +418,9 @@ def prepare_delta_rule_step(
     True
     """
 
-    def plan(*args: Any) -> tuple[StepPlan, None]:
-        return _plan_step(*args, scale=scale, qk_l2norm=qk_l2norm)
-
-    return PreparedDeltaRuleStep(plan, _run_step)
+    plan = partial(_plan_step, scale=scale, qk_l2norm=qk_l2norm)
+    names = ("q_t", "k_t", "v_t", "beta_t", "state", "log_decay")
+    return PreparedStep(
+        plan, _run_step, name="delta_rule_step", names=names, required=4, positional_only=5,
+        positional=5,
+    )  # fmt: skip

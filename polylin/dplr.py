@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from ._dplr import dplr_chunked, dplr_quadratic, dplr_recurrent, dplr_step
-from ._entry import StepPlan, check_log_decay, check_scale, run_sequences, step_decay, step_state
+from ._entry import (
+    StepPlan,
+    check_log_decay,
+    check_scale,
+    planned_decay,
+    run_sequences,
+    step_decay,
+    step_state,
+)
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, is_array
 from ._prepare import finish
@@ -30,7 +39,6 @@ from ._validation import (
 
 __all__ = [
     "DPLR_METHODS",
-    "PreparedDplrStep",
     "dplr_delta_rule",
     "dplr_delta_rule_step",
     "prepare_dplr_step",
@@ -303,14 +311,13 @@ def _plan_step(
 ) -> tuple[StepPlan, None]:
     """Check every argument of :func:`dplr_delta_rule_step` (the ``plan`` of ``_prepared``)."""
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
-    xp = inputs.xp
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
     scale = check_scale(scale)
     for name, x in (("a_t", a_t), ("b_t", b_t)):
         _check_vectors(inputs, x, (*batch, d_k), name)
     g = check_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
     check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
-    plan = StepPlan(inputs, scale, (*batch, d_k, d_v), None if g is None else xp.exp(g), ())
+    plan = StepPlan(inputs, scale, (*batch, d_k, d_v), planned_decay(inputs, log_decay, g), ())
     return plan, None
 
 
@@ -338,47 +345,7 @@ def _run_step(
     return finish(inputs, o_t, None), S
 
 
-class PreparedDplrStep(PreparedStep):
-    """:func:`dplr_delta_rule_step` checked once per signature: see :func:`prepare_dplr_step`.
-
-    Parameters
-    ----------
-    plan : callable
-        The step's checks: ``plan(*args) -> (plan, checked)`` (built by the ``prepare_*``
-        functions, not by hand).
-    run : callable
-        The step's arithmetic: ``run(plan, *args, checked=None)``.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from polylin import dplr_delta_rule_step, prepare_dplr_step
-    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 4))
-    >>> decode = prepare_dplr_step()
-    >>> o_t, S = decode(q, k, v, -0.5 * k, 0.5 * k)
-    >>> bool(np.array_equal(o_t, dplr_delta_rule_step(q, k, v, -0.5 * k, 0.5 * k)[0]))
-    True
-    """
-
-    __slots__ = ()
-
-    def __call__(
-        self,
-        q_t: Array,
-        k_t: Array,
-        v_t: Array,
-        a_t: Array,
-        b_t: Array,
-        state: Array | None = None,
-        /,
-        *,
-        log_decay: Array | float | None = None,
-    ) -> tuple[Array, Array]:
-        """One token, as :func:`dplr_delta_rule_step` with the prepared options."""
-        return self._call((q_t, k_t, v_t, a_t, b_t, state, log_decay))
-
-
-def prepare_dplr_step(*, scale: float = 1.0) -> PreparedDplrStep:
+def prepare_dplr_step(*, scale: float = 1.0) -> PreparedStep:
     """:func:`dplr_delta_rule_step` for a decoding loop: checked once, then arithmetic only.
 
     The returned function is called like :func:`dplr_delta_rule_step` without its options,
@@ -395,7 +362,7 @@ def prepare_dplr_step(*, scale: float = 1.0) -> PreparedDplrStep:
 
     Returns
     -------
-    PreparedDplrStep
+    PreparedStep
         A callable ``(q_t, k_t, v_t, a_t, b_t, state=None, /, *, log_decay=None)``.
 
     Examples
@@ -414,7 +381,8 @@ def prepare_dplr_step(*, scale: float = 1.0) -> PreparedDplrStep:
     True
     """
 
-    def plan(*args: Any) -> tuple[StepPlan, None]:
-        return _plan_step(*args, scale=scale)
-
-    return PreparedDplrStep(plan, _run_step)
+    names = ("q_t", "k_t", "v_t", "a_t", "b_t", "state", "log_decay")
+    return PreparedStep(
+        partial(_plan_step, scale=scale), _run_step, name="dplr_delta_rule_step", names=names,
+        required=5, positional_only=6, positional=6,
+    )  # fmt: skip

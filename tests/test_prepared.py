@@ -233,3 +233,25 @@ def test_under_jax_jit(rng):
             x["q"][t], x["k"][t], x["v"][t], x["beta"][t], S_plain, log_decay=x["g"][t]
         )
         np.testing.assert_allclose(np.asarray(o), np.asarray(o_plain), rtol=1e-12, atol=1e-12)
+
+
+def test_call_arguments_as_the_plain_step(rng):
+    """The prepared steps take their arguments as the plain steps do; others are TypeErrors."""
+    q, k, v = rng.standard_normal((3, 2, D_K))
+    decode = prepare_step()
+    _, state = decode(q, k, v)
+    np.testing.assert_array_equal(decode(q, k, v, state=state)[0], step(q, k, v, state)[0])
+    with pytest.raises(TypeError, match=r"step takes 3 to 4 positional arguments .* got 2"):
+        decode(q, k)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['beta'\]"):
+        decode(q, k, v, beta=0.5)
+    with pytest.raises(TypeError, match="both by position and by keyword"):
+        decode(q, k, v, state, state=state)
+    delta = prepare_delta_rule_step()
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['state'\]"):
+        delta(q, k, v, 0.5, state=None)  # positional-only, as in delta_rule_step
+    with pytest.raises(TypeError, match="delta_rule_step takes 4 to 5 positional"):
+        delta(q, k, v, 0.5, None, None)
+    assert "dplr_delta_rule_step(q_t, k_t, v_t, a_t, b_t, state, log_decay)" in repr(
+        prepare_dplr_step()
+    )

@@ -46,6 +46,7 @@ from ._fla_args import (
     state_v_first_alias,
     work_dtype,
 )
+from ._fla_docs import fla_doc
 
 __all__ = [
     "FLA_VERSION",
@@ -140,6 +141,7 @@ def _linear_family(
     return o, S_out
 
 
+@fla_doc
 def chunk_linear_attn(
     q: Array,
     k: Array,
@@ -157,38 +159,28 @@ def chunk_linear_attn(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, H, V)``.
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
+    <q_k>
+    <v_h>
+    <scale>
     initial_state : array or (array, array), optional
         ``(N, H, K, V)``; with ``normalize`` a tuple ``(kv_state, z_state)``, ``z_state`` of shape
         ``(N, 1, H, K)``.
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
+    <output_final_state>
     normalize : bool
         Divide by ``scale q_t . z_t + 1e-10``.
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
+    <cu_seqlens>
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    <o_h>
     final_state : array or (array, array) or None
         ``(N, H, K, V)`` if ``output_final_state``; with ``normalize`` the tuple
         ``(kv_state or None, z_state)``, as fla returns it.
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -206,6 +198,7 @@ def chunk_linear_attn(
     )  # fmt: skip
 
 
+@fla_doc
 def fused_recurrent_linear_attn(
     q: Array,
     k: Array,
@@ -223,38 +216,27 @@ def fused_recurrent_linear_attn(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, H, V)``.
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
+    <q_k>
+    <v_h>
+    <scale>
     initial_state : array or (array, array), optional
         ``(N, H, K, V)``; with ``normalize`` a tuple ``(kv_state, z_state)``.
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    reverse : bool
-        Scan from the end: not supported (``NotImplementedError`` when True).
+    <output_final_state>
+    <reverse>
     normalize : bool
         Divide by ``scale q_t . z_t + 1e-10``.
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
+    <cu_seqlens>
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``q``.
+    <o_h>
     final_state : array or (array, array) or None
         As for :func:`chunk_linear_attn`.
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -282,6 +264,7 @@ def _simple_gate(op: str, g: Any, g_gamma: Any, q: Any) -> Any:
     return array_namespace(q).reshape(g_gamma, (1, 1, g_gamma.shape[0]))
 
 
+@fla_doc
 def chunk_simple_gla(
     q: Array,
     k: Array,
@@ -302,46 +285,31 @@ def chunk_simple_gla(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, H, V)``.
+    <q_k>
+    <v_h>
     g : array, optional
         Log decay per token and head, ``(B, T, H)``.
     g_gamma : array, optional
         Log decay per head, ``(H,)``, instead of ``g``.
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
-        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    state_v_first : bool
-        States stored value-first, ``(..., V, K)``.
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
-    cu_seqlens_cpu : array of int, optional
-        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+    <scale>
+    <initial_state_h_v_first>
+    <output_final_state>
+    <state_v_first>
+    <cu_seqlens>
+    <cu_seqlens_cpu>
     **kwargs
         ``chunk_size`` (a power of 2); ``head_first`` raises fla's ``DeprecationWarning``; any other
         option raises ``NotImplementedError`` naming it.
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_h>
+    <final_state_h>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -365,6 +333,7 @@ def chunk_simple_gla(
     )  # fmt: skip
 
 
+@fla_doc
 def fused_recurrent_simple_gla(
     q: Array,
     k: Array,
@@ -383,46 +352,29 @@ def fused_recurrent_simple_gla(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, H, V)``.
+    <q_k>
+    <v_h>
     g : array, optional
         Log decay per token and head, ``(B, T, H)``.
     g_gamma : array, optional
         Log decay per head, ``(H,)``, instead of ``g``.
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
-        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    reverse : bool
-        Scan from the end: not supported (``NotImplementedError`` when True).
-    state_v_first : bool
-        States stored value-first, ``(..., V, K)``.
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
-    **kwargs
-        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
-        raises ``NotImplementedError`` naming it.
+    <scale>
+    <initial_state_h_v_first>
+    <output_final_state>
+    <reverse>
+    <state_v_first>
+    <cu_seqlens>
+    <kwargs_state_layout>
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_h>
+    <final_state_h>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -444,6 +396,7 @@ def fused_recurrent_simple_gla(
     )  # fmt: skip
 
 
+@fla_doc
 def chunk_gla(
     q: Array,
     k: Array,
@@ -462,41 +415,26 @@ def chunk_gla(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, H, V)``.
+    <q_k>
+    <v_h>
     g : array
         Log decay per token, head and key channel, ``(B, T, H, K)``.
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
-        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    state_v_first : bool
-        States stored value-first, ``(..., V, K)``.
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
-    cu_seqlens_cpu : array of int, optional
-        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+    <scale>
+    <initial_state_h_v_first>
+    <output_final_state>
+    <state_v_first>
+    <cu_seqlens>
+    <cu_seqlens_cpu>
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_h>
+    <final_state_h>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -516,6 +454,7 @@ def chunk_gla(
     )  # fmt: skip
 
 
+@fla_doc
 def fused_recurrent_gla(
     q: Array,
     k: Array,
@@ -534,46 +473,29 @@ def fused_recurrent_gla(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, H, V)``.
+    <q_k>
+    <v_h>
     gk : array, optional
         Log decay per key channel, ``(B, T, H, K)``.
     gv : array, optional
         Value gates: not supported (``NotImplementedError``).
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, H, K, V)`` (``(N, H, V, K)`` with ``state_v_first``;
-        ``N``: the batch, or the number of sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    reverse : bool
-        Scan from the end: not supported (``NotImplementedError`` when True).
-    state_v_first : bool
-        States stored value-first, ``(..., V, K)``.
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
-    **kwargs
-        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
-        raises ``NotImplementedError`` naming it.
+    <scale>
+    <initial_state_h_v_first>
+    <output_final_state>
+    <reverse>
+    <state_v_first>
+    <cu_seqlens>
+    <kwargs_state_layout>
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_h>
+    <final_state_h>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -594,6 +516,7 @@ def fused_recurrent_gla(
     )  # fmt: skip
 
 
+@fla_doc
 def chunk_retention(
     q: Array,
     k: Array,
@@ -610,37 +533,26 @@ def chunk_retention(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, H, V)``.
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
+    <q_k>
+    <v_h>
+    <scale>
     initial_state : array, optional
         ``(N, H, K, V)``.
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
+    <output_final_state>
+    <cu_seqlens>
     **kwargs
         ``chunk_size`` (a power of 2); ``head_first`` raises fla's ``DeprecationWarning``; any other
         option raises ``NotImplementedError`` naming it.
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_h>
+    <final_state_h>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -719,6 +631,7 @@ def _fla_result(
     return o, heads.state_out(S, v_first=v_first) if output_final_state else None
 
 
+@fla_doc
 def chunk_delta_rule(
     q: Array,
     k: Array,
@@ -741,43 +654,27 @@ def chunk_delta_rule(
     q, k : array
         Queries and keys, ``(B, T, H, K)``; unit keys (or ``use_qk_l2norm_in_kernel``) keep the
         recurrence stable.
-    v : array
-        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
-        ``HV // H`` consecutive value heads).
-    beta : array
-        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
-        sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    use_qk_l2norm_in_kernel : bool
-        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
-    cu_seqlens_cpu : array of int, optional
-        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+    <v_hv>
+    <beta>
+    <scale>
+    <initial_state_hv>
+    <output_final_state>
+    <use_qk_l2norm_in_kernel>
+    <cu_seqlens>
+    <cu_seqlens_cpu>
     **kwargs
         ``chunk_size`` (16, 32 or 64); ``head_first`` raises fla's ``DeprecationWarning``; any other
         option raises ``NotImplementedError`` naming it.
 
     Returns
     -------
-    o : array
-        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_hv>
+    <final_state_hv>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -802,6 +699,7 @@ def chunk_delta_rule(
     )  # fmt: skip
 
 
+@fla_doc
 def fused_recurrent_delta_rule(
     q: Array,
     k: Array,
@@ -817,40 +715,26 @@ def fused_recurrent_delta_rule(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
-        ``HV // H`` consecutive value heads).
+    <q_k>
+    <v_hv>
     beta : array, optional
         The learning rate per token, ``(B, T, HV)``; ``None`` means 1, as in fla.
     scale : float, optional
         Multiplies the queries, positive; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
-        sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    use_qk_l2norm_in_kernel : bool
-        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
+    <initial_state_hv>
+    <output_final_state>
+    <use_qk_l2norm_in_kernel>
+    <cu_seqlens>
 
     Returns
     -------
-    o : array
-        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_hv>
+    <final_state_hv>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -883,6 +767,7 @@ def _reject_gate_options(op: str, kwargs: dict[str, Any], **given: tuple[Any, An
     reject(op, kwargs, **given)
 
 
+@fla_doc
 def chunk_gated_delta_rule(
     q: Array,
     k: Array,
@@ -909,37 +794,22 @@ def chunk_gated_delta_rule(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
-        ``HV // H`` consecutive value heads).
+    <q_k>
+    <v_hv>
     g : array
         Log decay per token and value head, ``(B, T, HV)`` (``<= 0``).
-    beta : array
-        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
-        sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    use_qk_l2norm_in_kernel : bool
-        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
-    use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
-        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
-    state_v_first : bool
-        States stored value-first, ``(N, HV, V, K)``.
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
-    cu_seqlens_cpu : array of int, optional
-        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
+    <beta>
+    <scale>
+    <initial_state_hv>
+    <output_final_state>
+    <use_qk_l2norm_in_kernel>
+    <beta_options>
+    <state_v_first_hv>
+    <cu_seqlens>
+    <cu_seqlens_cpu>
     chunk_indices : array, optional
         The precomputed varlen chunk table of fla, derived from ``cu_seqlens``: ignored.
-    cp_context : object, optional
-        Context parallelism: not supported.
+    <cp_context>
     **kwargs
         ``chunk_size`` (16, 32 or 64); ``head_first`` raises fla's ``DeprecationWarning``; any
         other option raises ``NotImplementedError`` naming it (``use_gate_in_kernel``,
@@ -947,18 +817,13 @@ def chunk_gated_delta_rule(
 
     Returns
     -------
-    o : array
-        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_hv>
+    <final_state_hv>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -991,6 +856,7 @@ def chunk_gated_delta_rule(
     )  # fmt: skip
 
 
+@fla_doc
 def fused_recurrent_gated_delta_rule(
     q: Array,
     k: Array,
@@ -1018,11 +884,8 @@ def fused_recurrent_gated_delta_rule(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
-        ``HV // H`` consecutive value heads).
+    <q_k>
+    <v_hv>
     g : array, optional
         Log decay per token and value head, ``(B, T, HV)``.
     gk : array, optional
@@ -1032,44 +895,28 @@ def fused_recurrent_gated_delta_rule(
         Value gates: not supported.
     beta : array, optional
         The learning rate per token, ``(B, T, HV)``; ``None`` means 1.
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
-        sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    use_qk_l2norm_in_kernel : bool
-        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    <scale>
+    <initial_state_hv>
+    <output_final_state>
+    <use_qk_l2norm_in_kernel>
     use_gate_in_kernel : bool
         Not supported: compute ``g`` first.
     A_log, dt_bias : array, optional
         The in-kernel gate's parameters: not supported.
-    use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
-        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
-    state_v_first : bool
-        States stored value-first, ``(N, HV, V, K)``.
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
-    **kwargs
-        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
-        raises ``NotImplementedError`` naming it.
+    <beta_options>
+    <state_v_first_hv>
+    <cu_seqlens>
+    <kwargs_state_layout>
 
     Returns
     -------
-    o : array
-        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_hv>
+    <final_state_hv>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -1107,6 +954,7 @@ def fused_recurrent_gated_delta_rule(
     )  # fmt: skip
 
 
+@fla_doc
 def chunk_kda(
     q: Array,
     k: Array,
@@ -1139,45 +987,28 @@ def chunk_kda(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
-        ``HV // H`` consecutive value heads).
+    <q_k>
+    <v_hv>
     g : array
         Log decay per token, value head and key channel, ``(B, T, HV, K)``.
-    beta : array
-        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
-        sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    use_qk_l2norm_in_kernel : bool
-        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    <beta>
+    <scale>
+    <initial_state_hv>
+    <output_final_state>
+    <use_qk_l2norm_in_kernel>
     use_gate_in_kernel : bool
         Not supported: compute ``g`` first.
-    use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
-        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
-    safe_gate : bool
-        A speed hint of fla for bounded gates: accepted, ignored.
+    <beta_options>
+    <safe_gate>
     lower_bound : float, optional
         The in-kernel gate's bound: not supported.
-    disable_recompute : bool
-        A memory/speed trade-off of fla: accepted, ignored.
+    <disable_recompute>
     return_intermediate_states : bool
         Not supported.
-    state_v_first : bool
-        States stored value-first, ``(N, HV, V, K)``.
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
-    cu_seqlens_cpu : array of int, optional
-        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
-    cp_context : object, optional
-        Context parallelism: not supported.
+    <state_v_first_hv>
+    <cu_seqlens>
+    <cu_seqlens_cpu>
+    <cp_context>
     use_graph : bool
         CUDA graph capture: not supported.
     max_num_seqs : int, optional
@@ -1188,18 +1019,13 @@ def chunk_kda(
 
     Returns
     -------
-    o : array
-        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_hv>
+    <final_state_hv>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -1232,6 +1058,7 @@ def chunk_kda(
     )  # fmt: skip
 
 
+@fla_doc
 def fused_recurrent_kda(
     q: Array,
     k: Array,
@@ -1256,55 +1083,35 @@ def fused_recurrent_kda(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, HV, V)``, ``HV`` a multiple of ``H`` (each query/key head serves
-        ``HV // H`` consecutive value heads).
+    <q_k>
+    <v_hv>
     g : array
         Log decay per token, value head and key channel, ``(B, T, HV, K)``.
-    beta : array
-        The learning rate per token, ``(B, T, HV)`` (after the sigmoid).
+    <beta>
     A_log, dt_bias : array, optional
         The in-kernel gate's parameters: not supported (compute ``g`` first).
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, HV, K, V)`` (``N``: the batch, or the number of
-        sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    use_qk_l2norm_in_kernel : bool
-        L2-normalize ``q`` and ``k`` first, ``x / sqrt(sum(x^2) + 1e-6)`` (fla's formula).
+    <scale>
+    <initial_state_hv>
+    <output_final_state>
+    <use_qk_l2norm_in_kernel>
     use_gate_in_kernel : bool
         Not supported.
-    use_beta_sigmoid_in_kernel, allow_neg_eigval : bool
-        Not supported: pass ``sigmoid(beta)`` (or ``2 sigmoid(beta)``) as ``beta``.
+    <beta_options>
     lower_bound : float, optional
         The in-kernel gate's bound: not supported.
-    state_v_first : bool
-        States stored value-first, ``(N, HV, V, K)``.
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
-    **kwargs
-        ``transpose_state_layout``: fla's deprecated name of ``state_v_first``; any other option
-        raises ``NotImplementedError`` naming it.
+    <state_v_first_hv>
+    <cu_seqlens>
+    <kwargs_state_layout>
 
     Returns
     -------
-    o : array
-        ``(B, T, HV, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, HV, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_hv>
+    <final_state_hv>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
-    ValueError
-        fla's shape rules: ``HV`` not a multiple of ``H``, ``B != 1`` or a state count that is
-        not the number of sequences with ``cu_seqlens``.
+    <raises_not_implemented>
+    <raises_shape_rules>
 
     Examples
     --------
@@ -1400,6 +1207,7 @@ def _dplr_chunk_options(
     return pop_chunk_size(op, {"chunk_size": chunk_size}, None)
 
 
+@fla_doc
 def chunk_dplr_delta_rule(
     q: Array,
     k: Array,
@@ -1426,8 +1234,7 @@ def chunk_dplr_delta_rule(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
+    <q_k>
     v : array
         Values, ``(B, T, H, V)`` (or ``HV`` heads, a multiple of ``H``: each key head's ``a``,
         ``b``, ``gk`` then serve its ``HV // H`` consecutive value heads).
@@ -1436,26 +1243,16 @@ def chunk_dplr_delta_rule(
         ``b = kk * a_lr``). Keep the transition's eigenvalues at most 1 in magnitude.
     gk : array
         Log decay per token, head and key channel, ``(B, T, H, K)`` (``<= 0``).
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, H, K, V)`` (``N``: the batch, or the number of
-        sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
-    cu_seqlens_cpu : array of int, optional
-        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
-    safe_gate : bool
-        A speed hint of fla for bounded gates: accepted, ignored.
+    <scale>
+    <initial_state_h>
+    <output_final_state>
+    <cu_seqlens>
+    <cu_seqlens_cpu>
+    <safe_gate>
     chunk_size : int, optional
         The chunk length, a power of 2 (default 64; fla's default is 16: the same function).
-    disable_recompute : bool
-        A memory/speed trade-off of fla: accepted, ignored.
-    cp_context : object, optional
-        Context parallelism: not supported.
+    <disable_recompute>
+    <cp_context>
     lower_bound : float, optional
         The caller's promise ``lower_bound <= gk < 0`` (a speed hint of fla): must be
         negative, else ignored.
@@ -1465,15 +1262,12 @@ def chunk_dplr_delta_rule(
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_h>
+    <final_state_h>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
+    <raises_not_implemented>
     ValueError
         fla's rules: ``B != 1`` or a state count that is not the number of sequences with
         ``cu_seqlens``, ``lower_bound >= 0``; ``a``, ``b`` or ``gk`` not of shape
@@ -1504,6 +1298,7 @@ def chunk_dplr_delta_rule(
     )  # fmt: skip
 
 
+@fla_doc
 def fused_recurrent_dplr_delta_rule(
     q: Array,
     k: Array,
@@ -1524,38 +1319,26 @@ def fused_recurrent_dplr_delta_rule(
 
     Parameters
     ----------
-    q, k : array
-        Queries and keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, H, V)``.
+    <q_k>
+    <v_h>
     a, b : array
         The low-rank term ``b_t a_t^T`` of each token, ``(B, T, H, K)``.
     gk : array
         Log decay per token, head and key channel, ``(B, T, H, K)`` (``<= 0``).
-    scale : float, optional
-        Multiplies the queries; default ``K ** -0.5``.
-    initial_state : array, optional
-        The state to continue from, ``(N, H, K, V)`` (``N``: the batch, or the number of
-        sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    reverse : bool
-        Scan from the end: not supported (``NotImplementedError`` when True).
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
+    <scale>
+    <initial_state_h>
+    <output_final_state>
+    <reverse>
+    <cu_seqlens>
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``q``.
-    final_state : array or None
-        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_h>
+    <final_state_h>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
+    <raises_not_implemented>
     ValueError
         fla's rules: ``B != 1`` or a state count that is not the number of sequences with
         ``cu_seqlens``; ``a``, ``b`` or ``gk`` not of shape ``(B, T, H, K)``.
@@ -1579,6 +1362,7 @@ def fused_recurrent_dplr_delta_rule(
     )  # fmt: skip
 
 
+@fla_doc
 def chunk_rwkv7(
     r: Array,
     w: Array,
@@ -1606,51 +1390,35 @@ def chunk_rwkv7(
 
     Parameters
     ----------
-    r : array
-        Receptances (queries), ``(B, T, H, K)``.
-    w : array
-        Log decay per token, head and key channel, ``(B, T, H, K)`` (``<= 0``).
-    k : array
-        Keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, H, V)``.
+    <r>
+    <w>
+    <k>
+    <v_h>
     a, b : array
         The low-rank term ``b_t a_t^T``, ``(B, T, H, K)``.
     scale : float
         Multiplies the receptances; default 1 (as in fla).
-    initial_state : array, optional
-        The state to continue from, ``(N, H, K, V)`` (``N``: the batch, or the number of
-        sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
-    cu_seqlens_cpu : array of int, optional
-        The host copy of ``cu_seqlens`` (fla's): read instead of it when given.
-    safe_gate : bool
-        A speed hint of fla for bounded gates: accepted, ignored.
+    <initial_state_h>
+    <output_final_state>
+    <cu_seqlens>
+    <cu_seqlens_cpu>
+    <safe_gate>
     chunk_size : int, optional
         The chunk length, a power of 2 (default 64; fla's default is 16: the same function).
-    disable_recompute : bool
-        A memory/speed trade-off of fla: accepted, ignored.
-    cp_context : object, optional
-        Context parallelism: not supported.
+    <disable_recompute>
+    <cp_context>
     lower_bound : float, optional
         The caller's promise ``lower_bound <= w < 0`` (a speed hint of fla): must be
         negative, else ignored.
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``r``.
-    final_state : array or None
-        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_rwkv>
+    <final_state_h>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
+    <raises_not_implemented>
     ValueError
         fla's rules: ``B != 1`` or a state count that is not the number of sequences with
         ``cu_seqlens``, ``lower_bound >= 0``; ``w``, ``a`` or ``b`` not of shape
@@ -1681,6 +1449,7 @@ def chunk_rwkv7(
     )  # fmt: skip
 
 
+@fla_doc
 def fused_recurrent_rwkv7(
     r: Array,
     w: Array,
@@ -1700,33 +1469,23 @@ def fused_recurrent_rwkv7(
 
     Parameters
     ----------
-    r : array
-        Receptances (queries), ``(B, T, H, K)``.
-    w : array
-        Log decay per token, head and key channel, ``(B, T, H, K)`` (``<= 0``).
-    k : array
-        Keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, H, V)``.
+    <r>
+    <w>
+    <k>
+    <v_h>
     a, b : array
         The low-rank term ``b_t a_t^T``, ``(B, T, H, K)``.
     scale : float, optional
         Multiplies the receptances; default ``K ** -0.5`` (as in fla; RWKV-7 uses 1).
-    initial_state : array, optional
-        The state to continue from, ``(N, H, K, V)`` (``N``: the batch, or the number of
-        sequences with ``cu_seqlens``).
+    <initial_state_h>
     output_final_state : bool
         Return the state after the last token (else ``None``); default True.
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
+    <cu_seqlens>
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``r``.
-    final_state : array or None
-        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_rwkv>
+    <final_state_h>
 
     Raises
     ------
@@ -1753,6 +1512,7 @@ def fused_recurrent_rwkv7(
     )  # fmt: skip
 
 
+@fla_doc
 def fused_mul_recurrent_rwkv7(
     r: Array,
     w: Array,
@@ -1774,42 +1534,29 @@ def fused_mul_recurrent_rwkv7(
 
     Parameters
     ----------
-    r : array
-        Receptances (queries), ``(B, T, H, K)``.
-    w : array
-        Log decay per token, head and key channel, ``(B, T, H, K)`` (``<= 0``).
-    k : array
-        Keys, ``(B, T, H, K)``.
-    v : array
-        Values, ``(B, T, H, V)``.
+    <r>
+    <w>
+    <k>
+    <v_h>
     kk : array
         The normalized keys that the transition erases along, ``(B, T, H, K)``.
     a : array
         The in-context learning rate per channel, ``(B, T, H, K)``, in ``(0, 1)``.
     scale : float
         Multiplies the receptances; default 1 (as in fla).
-    initial_state : array, optional
-        The state to continue from, ``(N, H, K, V)`` (``N``: the batch, or the number of
-        sequences with ``cu_seqlens``).
-    output_final_state : bool
-        Return the state after the last token (else ``None``).
-    reverse : bool
-        Scan from the end: not supported (``NotImplementedError`` when True).
-    cu_seqlens : array of int, optional
-        Offsets ``[0, l1, l1 + l2, ..., T]`` of packed sequences (then ``B == 1``); read once on
-        the host.
+    <initial_state_h>
+    <output_final_state>
+    <reverse>
+    <cu_seqlens>
 
     Returns
     -------
-    o : array
-        ``(B, T, H, V)``, the library, device and dtype of ``r``.
-    final_state : array or None
-        ``(N, H, K, V)`` if ``output_final_state`` (float32 for 16-bit inputs).
+    <o_rwkv>
+    <final_state_h>
 
     Raises
     ------
-    NotImplementedError
-        An option polylin does not compute, named in the message.
+    <raises_not_implemented>
     ValueError
         fla's rules: ``B != 1`` or a state count that is not the number of sequences with
         ``cu_seqlens``; ``w``, ``kk`` or ``a`` not of shape ``(B, T, H, K)``.
