@@ -8,8 +8,8 @@ Two parts, float32, default threads:
   weights, hidden size 512, 4 layers (3 linear-attention, 1 full-attention), batch 1. Each is
   timed on transformers' pure-PyTorch fallback kernels (``use_transformers_fallback``) and on
   polylin (``use_polylin``), alternating: prefill (``model(ids)`` under ``no_grad``) at each
-  length; greedy decoding per token with the model's cache (``generate`` of 32 tokens after a
-  16-token prompt, divided by 32); forward + backward of a training step (``loss.backward()``) at
+  length; greedy decoding per token with the model's cache (after a 16-token prompt, ``generate``
+  of 33 tokens less ``generate`` of 1, divided by 32: the prompt's prefill is left out); forward + backward of a training step (``loss.backward()``) at
   the first length. The logits are checked to agree (1e-4 relative) before timing.
 - **ops**: each ``polylin.compat.fla`` chunk function against fla's own pure-PyTorch naive form
   of the same op (``fla/ops/<family>/naive.py``, loaded by path), B = 1, H = 4, d = 64, at the
@@ -133,16 +133,22 @@ def bench_models(
         prompt = ids[:, :16]
         new = 32
 
-        def decode(m: Any, prompt: Any = prompt, new: int = new) -> Any:
+        def generate(m: Any, tokens: int, prompt: Any = prompt) -> Any:
             with torch.no_grad():
                 return m.generate(
-                    prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                     use_cache=True, pad_token_id=0,
                 )  # fmt: skip
 
         if "decode" in measurements:
-            t = alternate({k: functools.partial(decode, m) for k, m in pair.items()}, repeats)
-            rows.append(row(name, "decode per token", 16, {k: v / new for k, v in t.items()}))
+            # generate(1 + new) - generate(1): the new tokens' steps, without the prompt's prefill
+            calls = {
+                f"{k} {n}": functools.partial(generate, m, n)
+                for k, m in pair.items() for n in (1, 1 + new)
+            }  # fmt: skip
+            t = alternate(calls, repeats)
+            per_token = {k: (t[f"{k} {1 + new}"] - t[f"{k} 1"]) / new for k in pair}
+            rows.append(row(name, "decode per token", 16, per_token))
             progress(rows[-1])
         if "train" not in measurements:
             continue

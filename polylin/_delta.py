@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._intra_chunk import SCORES, SOLVE, intra_chunk, scalar_gate_scores
-from ._ops import causal_mask, dense, l2_normalize, matmul, pad_rows
-from ._policy import cumulative_sum, device, eager_cpu, keep_lower, unstack
+from ._ops import causal_mask, dense, l2_normalize, matmul, pad_rows, read_state
+from ._policy import add_outer, cumulative_sum, device, eager_cpu, keep_lower, unstack
 
 __all__ = ["BLOCK_ROWS", "delta_chunked", "delta_recurrent", "delta_step"]
 
@@ -54,10 +54,9 @@ def delta_step(
     """
     if decay is not None:
         S = S * decay[..., None]
-    prediction = matmul(xp, k[..., None, :], S)[..., 0, :]  # what the state recalls for k_t
-    correction = beta * (v - prediction)
-    S = S + k[..., :, None] * correction[..., None, :]
-    return matmul(xp, q[..., None, :], S)[..., 0, :], S
+    prediction = read_state(xp, k, S)  # what the state recalls for k_t
+    S = add_outer(xp, S, k, beta * (v - prediction))
+    return read_state(xp, q, S), S
 
 
 def delta_recurrent(

@@ -39,8 +39,8 @@ from ._intra_chunk import (
     segment_sums,
     unit_lower_inverse,
 )
-from ._ops import causal_mask, pad_rows, split_rows
-from ._policy import cumulative_sum, device, eager_cpu, unstack
+from ._ops import causal_mask, pad_rows, read_state, split_rows
+from ._policy import add_outer, cumulative_sum, device, eager_cpu, unstack
 
 __all__ = ["BLOCK_ROWS", "dplr_chunked", "dplr_quadratic", "dplr_recurrent", "dplr_step"]
 
@@ -50,11 +50,11 @@ def dplr_step(
 ) -> tuple[Any, Any]:
     """One token: ``(o_t, S_t)``. ``q, k, a, b`` are ``(..., d_k)``, ``v`` ``(..., d_v)``,
     ``decay`` (``exp(g_t)``, not its log) ``(..., 1 or d_k)`` or ``None``, ``S`` the state."""
-    read = a[..., None, :] @ S  # (..., 1, d_v): a_t^T S_{t-1}, before the decay
+    read = read_state(xp, a, S)  # a_t^T S_{t-1}, before the decay
     if decay is not None:
         S = S * decay[..., :, None]
-    S = S + b[..., :, None] * read + k[..., :, None] * v[..., None, :]
-    return (q[..., None, :] @ S)[..., 0, :], S
+    S = add_outer(xp, add_outer(xp, S, b, read), k, v)
+    return read_state(xp, q, S), S
 
 
 def dplr_recurrent(

@@ -15,6 +15,7 @@ __all__ = [
     "l2_normalize",
     "matmul",
     "pad_rows",
+    "read_state",
     "split_rows",
     "stack_leading",
     "widens",
@@ -75,6 +76,18 @@ def matmul(xp: Any, a: Any, b: Any) -> Any:
     out = xp.reshape(a @ b, (*common, *a_sizes, rows, *b_sizes, cols))
     order: list[Any] = [*shared, *a_only, "rows", *b_only, "cols"]
     return xp.permute_dims(out, tuple(order.index(i) for i in (*range(rank), "rows", "cols")))
+
+
+def read_state(xp: Any, x: Any, S: Any) -> Any:
+    """``S^T x``: the vector ``x`` ``(..., m)`` read through the state ``S`` ``(..., m, n)``.
+
+    ``x`` may broadcast against the leading dimensions of ``S`` (grouped heads): then ``x`` is
+    broadcast first, a copy of ``m`` numbers per group, never of the state (which
+    :func:`matmul` would permute, and a sum of ``x * S`` would write out whole).
+    """
+    if x.shape[:-1] != S.shape[:-2]:
+        x = xp.broadcast_to(x, (*S.shape[:-2], x.shape[-1]))
+    return (x[..., None, :] @ S)[..., 0, :]
 
 
 def dense(xp: Any, x: Any) -> Any:

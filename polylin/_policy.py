@@ -25,6 +25,7 @@ import array_api_compat
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_EPS",
+    "add_outer",
     "array_namespace",
     "cacheable",
     "compiled",
@@ -186,6 +187,15 @@ def keep_lower(xp: Any, x: Any, mask: Any, *, strict: bool = False) -> Any:
     if _torch_namespace(x) is not None:
         return sys.modules["torch"].tril(x, diagonal=-1 if strict else 0)
     return xp.where(mask, x, 0.0)
+
+
+def add_outer(xp: Any, S: Any, x: Any, y: Any) -> Any:
+    """``S + x y^T`` over the last two axes (``x`` ``(..., m)``, ``y`` ``(..., n)``): a rank-1
+    state update. PyTorch: one ``addcmul``, which never writes the outer product out and measured
+    twice as fast on a decoding step's state (a temporary of the state's size less)."""
+    if _torch_namespace(S) is not None:
+        return sys.modules["torch"].addcmul(S, x[..., :, None], y[..., None, :])
+    return S + x[..., :, None] * y[..., None, :]
 
 
 def nonpositive(xp: Any, x: Any) -> Any:

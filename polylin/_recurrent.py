@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._policy import unstack
+from ._ops import read_state
+from ._policy import add_outer, unstack
 
 __all__ = ["causal_recurrent", "recurrent_step"]
 
@@ -38,12 +39,9 @@ def recurrent_step(
         factor = xp.exp(log_decay)
         S = factor[..., :, None] * S
         z = factor * z
-    S = S + fk[..., :, None] * v[..., None, :]
+    S = add_outer(xp, S, fk, v)
     z = z + fk
-    if fq.shape[:-1] == S.shape[:-2]:
-        numerator = (fq[..., None, :] @ S)[..., 0, :]
-    else:  # grouped heads: a broadcast matmul would copy fq per group (_ops.matmul)
-        numerator = xp.sum(fq[..., :, None] * S, axis=-2)
+    numerator = read_state(xp, fq, S)
     if not normalize:
         return numerator, S, z
     normalizer = xp.sum(fq * z, axis=-1, keepdims=True)

@@ -329,6 +329,71 @@ def test_l2_norm_in_kernel(family):
         np.testing.assert_allclose(S, ref_S, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    ("family", "v_first"),  # fla 0.6.0's fused_recurrent_delta_rule has no state_v_first
+    [
+        (family, v_first)
+        for family in DELTA
+        for v_first in (False, True)
+        if not (v_first and family == "delta_rule")
+    ],
+)
+@pytest.mark.parametrize("G", [1, 2])
+def test_one_token_calls_decode_as_the_sequence(backend, family, G, v_first):
+    """A decoding loop: ``fused_recurrent_*`` once per token (T = 1), each from the state the
+    one before returned, gives the float64 reference's outputs and state (the calls after the
+    first run the kept step plan)."""
+    rng = np.random.default_rng(hash((family, G, v_first)) % 2**32)
+    B, T, H, K, V = 2, 7, 2, 4, 3
+    x = make_inputs(family, rng, B, T, H, G, K, V)
+    x["k"] = x["k"] * 2.0  # the in-kernel L2 norm must normalize them
+    S0 = rng.standard_normal((B, H * G, K, V)) * 0.3
+    ref_o, ref_S, _ = reference(
+        x["q"], x["k"], x["v"], scale=0.7, S0=S0, l2norm=True, **reference_gates(family, x)
+    )
+    S = backend.from_numpy(np.swapaxes(S0, -1, -2) if v_first else S0)
+    outputs = []
+    for t in range(T):
+        token = {n: backend.from_numpy(a[:, t : t + 1]) for n, a in x.items()}
+        o, S = call(
+            family, "fused_recurrent", token, scale=0.7, initial_state=S, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, **({"state_v_first": True} if v_first else {}),
+        )  # fmt: skip
+        assert tuple(o.shape) == (B, 1, H * G, V) and o.dtype == token["q"].dtype
+        outputs.append(backend.to_numpy(o))
+    S = backend.to_numpy(S)
+    np.testing.assert_allclose(np.concatenate(outputs, axis=1), ref_o, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(np.swapaxes(S, -1, -2) if v_first else S, ref_S, rtol=1e-8)
+
+
+def test_one_token_calls_are_checked_once_per_signature(monkeypatch):
+    """The first call of a signature runs the checked op; the same signature again does not;
+    any other signature is checked again, with fla's errors."""
+    import polylin.compat.fla as compat
+
+    x = make_inputs("gated_delta_rule", np.random.default_rng(3), 1, 3, 2, 2, 4, 3)
+    token = {n: a[:, :1] for n, a in x.items()}
+    checked = []
+    full = compat.delta_rule_attention
+    monkeypatch.setattr(
+        compat, "delta_rule_attention", lambda *a, **kw: checked.append(1) or full(*a, **kw)
+    )
+    first = call("gated_delta_rule", "fused_recurrent", token, scale=0.9)
+    again = call("gated_delta_rule", "fused_recurrent", token, scale=0.9)
+    assert len(checked) == 1
+    np.testing.assert_allclose(again[0], first[0], rtol=1e-14)
+    call("gated_delta_rule", "fused_recurrent", token, scale=0.5)  # another option: checked
+    assert len(checked) == 2
+    with pytest.raises(ValueError, match="evenly divisible"):
+        call("gated_delta_rule", "fused_recurrent", {**token, "v": np.zeros((1, 1, 3, 3))})
+    with pytest.raises(ValueError, match="g must have shape"):
+        call("gated_delta_rule", "fused_recurrent", {**token, "g": np.zeros((1, 1, 3))})
+    S = np.ones((1, 4, 4, 3))
+    call("gated_delta_rule", "fused_recurrent", token, initial_state=S, output_final_state=True)
+    call("gated_delta_rule", "fused_recurrent", token, initial_state=S, output_final_state=True)
+    np.testing.assert_array_equal(S, 1.0)  # the kept plan does not update a state in place
+
+
 # --------------------------------------------------------------------------------------------
 # PyTorch: bfloat16 inputs, gradients
 # --------------------------------------------------------------------------------------------

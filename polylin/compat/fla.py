@@ -46,6 +46,7 @@ from ._fla_args import (
     state_v_first_alias,
     work_dtype,
 )
+from ._fla_decode import TokenCall, plan_token, run_token, token_plan
 from ._fla_docs import fla_doc
 
 __all__ = [
@@ -599,27 +600,46 @@ def _delta_family(
     method: str,
     chunk_size: int = 64,
 ) -> Result:
-    """One fla delta-rule op as one :func:`polylin.delta_rule_attention` call."""
+    """One fla delta-rule op as one :func:`polylin.delta_rule_attention` call.
+
+    A recurrent call of one token (a decoding loop's) runs as :func:`polylin.delta_rule_step`
+    once a call of its signature has been checked (``_fla_decode``).
+    """
     offsets = offsets_of(cu_seqlens, cu_seqlens_cpu)
+    decoding = (
+        method == "recurrent" and offsets is None and getattr(q, "shape", (0, 0))[1:2] == (1,)
+    )
+    if decoding:
+        arrays = (q, k, v, beta, g, initial_state)
+        options = (scale, bool(use_qk_l2norm_in_kernel), state_v_first)
+        kept = token_plan(arrays, options)
+        if kept is not None:
+            heads, o, S = run_token(kept, q, k, v, beta, g, initial_state, v_first=state_v_first)
+            return _fla_result(heads, o, S, q.dtype, output_final_state, v_first=state_v_first)
     heads = FlaHeads.of(q, k, v, offsets, initial_state)
     xp = heads.xp
     out_dtype = q.dtype
     dtype, (q, k, v, beta, g) = in_common_dtype(xp, q, k, v, beta, g)
+    state = heads.state_in(initial_state, work_dtype(xp, dtype), v_first=state_v_first)
+    scale = default_scale(scale, k.shape[-1])
     o, S = delta_rule_attention(
         heads.query_key(q),
         heads.query_key(k),
         heads.per_value_head(v, "v"),
         1.0 if beta is None else heads.per_value_head(beta, "beta"),
         log_decay=heads.per_value_head(g, "g"),
-        scale=default_scale(scale, k.shape[-1]),
+        scale=scale,
         qk_l2norm=bool(use_qk_l2norm_in_kernel),
         method=method,
         chunk_size=chunk_size,
-        initial_state=heads.state_in(initial_state, work_dtype(xp, dtype), v_first=state_v_first),
+        initial_state=state,
         return_state=True,
         cu_seqlens=offsets,
         seq_axis=heads.seq_axis,
     )
+    if decoding:
+        call = TokenCall(heads, q, k, v, beta, g, state)
+        plan_token(arrays, options, call, scale=scale, qk_l2norm=bool(use_qk_l2norm_in_kernel))
     return _fla_result(heads, o, S, out_dtype, output_final_state, v_first=state_v_first)
 
 
