@@ -8,9 +8,10 @@ Two parts, float32, default threads:
   weights, hidden size 512, 4 layers (3 linear-attention, 1 full-attention), batch 1. Each is
   timed on transformers' pure-PyTorch fallback kernels (``use_transformers_fallback``) and on
   polylin (``use_polylin``), alternating: prefill (``model(ids)`` under ``no_grad``) at each
-  length; greedy decoding per token with the model's cache (after a 16-token prompt, ``generate``
-  of 33 tokens less ``generate`` of 1, divided by 32: the prompt's prefill is left out); forward + backward of a training step (``loss.backward()``) at
-  the first length. The logits are checked to agree (1e-4 relative) before timing.
+  length; greedy decoding per token with the model's cache (after a 16-token prompt,
+  ``generate`` of 33 tokens less ``generate`` of 1, divided by 32: the prompt's prefill is left
+  out); forward + backward of a training step (``loss.backward()``) at the first length. The
+  logits are checked to agree (1e-4 relative) before timing.
 - **ops**: each ``polylin.compat.fla`` chunk function against fla's own pure-PyTorch naive form
   of the same op (``fla/ops/<family>/naive.py``, loaded by path), B = 1, H = 4, d = 64, at the
   first length; outputs checked equal (float32 round-off) first.

@@ -83,12 +83,14 @@ def _now() -> dict[str, float]:
 
 
 def interleaved(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict]:
-    """Median seconds per call on each clock, the calls timed in alternation after a warm-up."""
+    """Median seconds per call on each clock, the calls timed in alternation, each right after
+    an untimed call of its own (its steady state, whatever the call before it allocated)."""
     for fn in calls.values():
         fn()
     times: dict[str, dict[str, list[float]]] = {n: {c: [] for c in CLOCKS} for n in calls}
     for _ in range(repeats):
         for name, fn in calls.items():
+            fn()  # untimed: the memory the call before released is mapped again here
             start = _now()
             fn()
             stop = _now()

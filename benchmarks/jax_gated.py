@@ -1,15 +1,19 @@
-"""JAX on the CPU: the gated forms' compile time and steady state, forward and gradient.
+"""JAX on the CPU: linear attention's compile time and steady state, forward and gradient.
 
-For a scalar gate per token (simple GLA, Mamba-2) and a per-channel gate (GLA), ``normalize=False``,
-identity feature map, float32, batch x heads = 8, d = 64, this times under ``jax.jit``:
+Without a gate, with a scalar gate per token (simple GLA, Mamba-2) and with a per-channel gate
+(GLA), ``normalize=False``, identity feature map, float32, batch x heads = 8, d = 64, this times
+under ``jax.jit``:
 
-- ``chunked``: ``polylin.causal_linear_attention(method="chunked")``, the default;
+- ``chunked``: ``polylin.causal_linear_attention(method="chunked")``, the default (on the CPU
+  the policy runs its forward as a scan over the tokens and its gradient as the chunked form's:
+  ``polylin._policy.scans_tokens``);
 - ``recurrent``: polylin's per-token form (a Python loop over the tokens, unrolled into the
   compiled program: timed up to ``--recurrent-max-len`` only);
 - ``scan``: the recurrence a JAX user writes by hand, one ``jax.lax.scan`` step per token.
 
 Each is compiled once (``jit(f).lower(...).compile()``, timed: the compile time) and then called
-``--repeats`` times in alternation with the others (the steady state: the median). The gradient
+``--repeats`` times in alternation with the others, each timed call right after an untimed one
+of its own (the steady state: the median). The gradient
 is ``jit(grad(sum(f(q, k, v, g) * w)))`` with respect to q, k, v and the gate. Every form is
 first checked against the chunked one (float32, within 1e-3 of the output's scale).
 
@@ -30,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 BATCH, HEADS, D = 2, 4, 64
-GATES = ("scalar", "channel")
+GATES = ("none", "scalar", "channel")
 FORMS = ("chunked", "recurrent", "scan")
 
 
@@ -39,15 +43,17 @@ def scan_attention(q: Any, k: Any, v: Any, log_decay: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
-    g = jnp.broadcast_to(log_decay, q.shape)
+    per_token = [q, k, v] + ([] if log_decay is None else [jnp.broadcast_to(log_decay, q.shape)])
 
     def token(S, x):
-        q_t, k_t, v_t, g_t = x
-        S = jnp.exp(g_t)[..., :, None] * S + k_t[..., :, None] * v_t[..., None, :]
+        q_t, k_t, v_t, *g_t = x
+        if g_t:
+            S = jnp.exp(g_t[0])[..., :, None] * S
+        S = S + k_t[..., :, None] * v_t[..., None, :]
         return S, jnp.einsum("...c,...cv->...v", q_t, S)
 
     S0 = jnp.zeros((*q.shape[:-2], q.shape[-1], v.shape[-1]), q.dtype)
-    _, out = jax.lax.scan(token, S0, tuple(jnp.moveaxis(x, -2, 0) for x in (q, k, v, g)))
+    _, out = jax.lax.scan(token, S0, tuple(jnp.moveaxis(x, -2, 0) for x in per_token))
     return jnp.moveaxis(out, 0, -2)
 
 
@@ -65,13 +71,16 @@ def _form(name: str):
 
 
 def inputs(T: int, gate: str, seed: int = 0) -> tuple[Any, ...]:
-    """q, k, v of shape (2, 4, T, 64), a gate in (-1/16, 0), and an output cotangent."""
+    """q, k, v of shape (2, 4, T, 64), a gate in (-1/16, 0) (``None`` for ``"none"``), and an
+    output cotangent."""
     import jax.numpy as jnp
     import numpy as np
 
     rng = np.random.default_rng(seed)
     shape = (BATCH, HEADS, T, D)
     q, k, v, w = (jnp.asarray(rng.standard_normal(shape) / 8, dtype=jnp.float32) for _ in "qkvw")
+    if gate == "none":
+        return q, k, v, None, w
     width = 1 if gate == "scalar" else D
     x = rng.standard_normal((BATCH, HEADS, T, width))
     g = jnp.asarray(-np.logaddexp(0.0, -x) / 16, dtype=jnp.float32)  # logsigmoid / 16, as GLA
@@ -105,7 +114,7 @@ def case(T: int, gate: str, *, repeats: int, recurrent_max_len: int) -> dict[str
 
         forward, row[f"{name}_compile_forward_s"] = compiled(fn, (q, k, v, g))
         gradient, row[f"{name}_compile_grad_s"] = compiled(
-            jax.grad(loss, argnums=(0, 1, 2, 3)), (q, k, v, g)
+            jax.grad(loss, argnums=(0, 1, 2) if g is None else (0, 1, 2, 3)), (q, k, v, g)
         )
         out = forward(q, k, v, g).block_until_ready()
         if reference is None:
@@ -118,6 +127,10 @@ def case(T: int, gate: str, *, repeats: int, recurrent_max_len: int) -> dict[str
     times: dict[str, list[float]] = {name: [] for name in programs}
     for _ in range(repeats):  # alternate, so that a load change hits every form alike
         for name, call in programs.items():
+            # Once untimed first: the call before (a scan's gradient keeps a state per token,
+            # hundreds of MiB) frees memory that the next call's first run pays to map again;
+            # timed straight after it, polylin's forward measured 2-4x its own steady state.
+            call()
             start = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - start)

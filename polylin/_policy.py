@@ -42,10 +42,13 @@ __all__ = [
     "nonpositive",
     "outside_graph",
     "rows_in_whole_chunks",
+    "scan",
+    "scans_tokens",
     "splits_chunks_on_concat",
     "stacked_qr",
     "unstack",
     "unsupported_array",
+    "with_derivatives_of",
 ]
 
 #: Default added to the normalizer of every normalized entry point.
@@ -183,9 +186,10 @@ def keep_lower(xp: Any, x: Any, mask: Any, *, strict: bool = False) -> Any:
     the entries on and below the diagonal (below it when ``strict``) of the last two axes,
     exact zeros elsewhere (whatever ``x`` holds there: ``inf``, ``nan``). PyTorch: ``tril``,
     the same selection, which measured twice as fast as a broadcast ``where`` on a chunk's
-    scores."""
+    scores. A broadcast view is made contiguous first: ``tril`` of one (a scalar gate's
+    repeated log decays) measured 8x slower than the copy and ``tril`` together."""
     if _torch_namespace(x) is not None:
-        return sys.modules["torch"].tril(x, diagonal=-1 if strict else 0)
+        return sys.modules["torch"].tril(x.contiguous(), diagonal=-1 if strict else 0)
     return xp.where(mask, x, 0.0)
 
 
@@ -225,6 +229,43 @@ def eager_cpu(xp: Any, dev: Any) -> bool:
     # Under torch.compile the whole call becomes one graph that the compiler fuses and
     # schedules: blocks would only unroll into a graph that grows with T.
     return not sys.modules["torch"].compiler.is_compiling()
+
+
+def scans_tokens(xp: Any, x: Any) -> bool:
+    """Whether the chunked linear attention runs its forward as a scan over the tokens.
+
+    JAX tracing for the CPU (under ``jax.jit``): XLA compiles a scan's small state update into
+    one tight loop, which measured 1.4-4.2x faster than the chunked form's forward at T = 4096
+    (``docs/performance.md``, "JAX on the CPU"), while the chunked form's derivatives stay 3-10x
+    faster than the scan's. The two are combined by :func:`with_derivatives_of`. Eager JAX keeps
+    the chunked form (a scan would be traced anew at every call); so do accelerators.
+    """
+    if _library(xp) not in _JAX or "jax" not in sys.modules or not is_tracer(x):
+        return False
+    return str(sys.modules["jax"].default_backend()) == "cpu"
+
+
+def scan(step: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any) -> tuple[Any, Any]:
+    """``jax.lax.scan(step, carry, xs)``: ``step`` once per leading index of ``xs``. Only where
+    :func:`scans_tokens` is true (JAX is then imported)."""
+    return sys.modules["jax"].lax.scan(step, carry, xs)
+
+
+def with_derivatives_of(
+    forward: Callable[..., Any], reference: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``forward``'s values with ``reference``'s derivatives (the same function, computed two
+    ways): a ``jax.custom_jvp`` whose tangents are ``reference``'s, so that forward and reverse
+    differentiation (``jax.grad``, ``jax.jvp``) run ``reference``. Only where
+    :func:`scans_tokens` is true."""
+    jax = sys.modules["jax"]
+    combined = jax.custom_jvp(forward)
+
+    @combined.defjvp
+    def _tangents(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+        return forward(*primals), jax.jvp(reference, primals, tangents)[1]
+
+    return combined
 
 
 def compiling(x: Any) -> bool:

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._ops import read_state
-from ._policy import add_outer, unstack
+from ._policy import add_outer, scan, unstack
 
-__all__ = ["causal_recurrent", "recurrent_step"]
+__all__ = ["causal_recurrent", "causal_scan", "recurrent_step"]
 
 
 def recurrent_step(
@@ -82,3 +82,39 @@ def causal_recurrent(
         o, S, z = recurrent_step(xp, q_t, k_t, v_t, S, z, eps, log_decay=g_t, normalize=normalize)
         outputs.append(o)
     return xp.stack(outputs, axis=-2), S, z
+
+
+def causal_scan(
+    xp: Any,
+    fq: Any,
+    fk: Any,
+    v: Any,
+    S: Any,
+    z: Any,
+    *,
+    eps: float,
+    log_decay: Any | None = None,
+    normalize: bool = True,
+) -> tuple[Any, Any, Any]:
+    """:func:`causal_recurrent` as one scan over the tokens (``_policy.scan``): the same
+    :func:`recurrent_step` for each, compiled once instead of unrolled T times."""
+    T = fq.shape[-2]
+    per_token = [fq, fk, v]
+    g = None  # a decay shared by every token
+    if log_decay is not None and log_decay.shape[-2] == 1:
+        g = log_decay[..., 0, :]
+    elif log_decay is not None:
+        per_token.append(log_decay)
+    xs = tuple(xp.moveaxis(x, -2, 0) for x in per_token)  # tokens first: (T, ..., d)
+
+    def token(carry: tuple[Any, Any], x: tuple[Any, ...]) -> tuple[tuple[Any, Any], Any]:
+        q_t, k_t, v_t, *g_t = x
+        o, S_t, z_t = recurrent_step(
+            xp, q_t, k_t, v_t, *carry, eps, log_decay=g_t[0] if g_t else g, normalize=normalize
+        )
+        return (S_t, z_t), o
+
+    if T == 0:
+        return causal_recurrent(xp, fq, fk, v, S, z, eps=eps, normalize=normalize)
+    (S, z), outputs = scan(token, (S, z), xs)
+    return xp.moveaxis(outputs, 0, -2), S, z

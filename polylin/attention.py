@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import pairwise
+from typing import Any
 
 from ._chunked import causal_chunked
 from ._decay import check_log_decay, check_normalize, pack_log_decay, standard_log_decay
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._ops import matmul
-from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
+from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, scans_tokens, with_derivatives_of
 from ._prepare import apply_feature_map, finish, select
 from ._quadratic import quadratic
-from ._recurrent import causal_recurrent
+from ._recurrent import causal_recurrent, causal_scan
 from ._state import LinearAttentionState
 from ._typing import Array
 from ._validation import (
@@ -227,7 +228,12 @@ def causal_linear_attention(
     )
     if T == 0:  # the new state must not be the caller's own arrays
         S, z = xp.asarray(S, copy=True), xp.asarray(z, copy=True)
-    if method == "chunked":
+    if method == "chunked" and scans_tokens(xp, v):
+        out, S, z = _scanned_chunked(
+            xp, *features(q, k, mask), v, S, z, decay, chunk_size=chunk_size, eps=eps,
+            normalize=normalize,
+        )  # fmt: skip
+    elif method == "chunked":
         out, S, z = causal_chunked(
             xp, features, q, k, v, S, z, mask=mask, chunk_size=chunk_size, eps=eps,
             log_decay=decay, normalize=normalize,
@@ -242,6 +248,35 @@ def causal_linear_attention(
         )
     out = layout.restore(finish(inputs, out, mask))
     return (out, LinearAttentionState(S, z)) if return_state else out
+
+
+def _scanned_chunked(
+    xp: Any,
+    fq: Array,
+    fk: Array,
+    v: Array,
+    S: Array,
+    z: Array,
+    decay: Array | None,
+    *,
+    chunk_size: int,
+    eps: float,
+    normalize: bool,
+) -> tuple[Array, Array, Array]:
+    """The chunked form where the policy scans its forward (``_policy.scans_tokens``): the
+    values of the scan over tokens, the derivatives of the chunked form (``fq``, ``fk``
+    mapped and masked already)."""
+
+    def scanned(fq: Array, fk: Array, v: Array, S: Array, z: Array, g: Array | None) -> Any:
+        return causal_scan(xp, fq, fk, v, S, z, eps=eps, log_decay=g, normalize=normalize)
+
+    def chunked(fq: Array, fk: Array, v: Array, S: Array, z: Array, g: Array | None) -> Any:
+        return causal_chunked(
+            xp, lambda q, k, _: (q, k), fq, fk, v, S, z, log_decay=g, chunk_size=chunk_size,
+            eps=eps, normalize=normalize,
+        )  # fmt: skip
+
+    return with_derivatives_of(scanned, chunked)(fq, fk, v, S, z, decay)
 
 
 def linear_attention(

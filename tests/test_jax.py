@@ -273,12 +273,18 @@ def test_eager_state_mask_and_step(jb, dtype, rng):
     m = jb.from_numpy(mask)
     cut = 9
     head, state = causal_linear_attention(
-        *(x[..., :cut, :] for x in xs), method=method, chunk_size=CHUNK,
-        attention_mask=m[:, :cut], return_state=True,
+        *(x[..., :cut, :] for x in xs),
+        method=method,
+        chunk_size=CHUNK,
+        attention_mask=m[:, :cut],
+        return_state=True,
     )
     tail = causal_linear_attention(
-        *(x[..., cut:, :] for x in xs), method=method, chunk_size=CHUNK,
-        attention_mask=m[:, cut:], initial_state=state,
+        *(x[..., cut:, :] for x in xs),
+        method=method,
+        chunk_size=CHUNK,
+        attention_mask=m[:, cut:],
+        initial_state=state,
     )
     _check_jax_output(jb, tail, xs[0])
     assert state.S.dtype == (xs[0].dtype if dtype == "float64" else jb.dtype("float32"))
@@ -290,3 +296,54 @@ def test_eager_state_mask_and_step(jb, dtype, rng):
     kept[:, cut] = True
     expected_t = masked_kernel(*(a[..., : cut + 1, :] for a in arrays), mask=kept)[..., cut, :]
     np.testing.assert_allclose(jb.to_numpy(o_t), expected_t, rtol=0, atol=ATOL[dtype])
+
+
+def test_jitted_chunked_forward_is_a_scan_on_the_cpu(jb, jax, rng):
+    """Under ``jit`` on the CPU the chunked form's forward is one scan over the tokens, with the
+    chunked form's derivatives (``_policy.scans_tokens``); eager calls keep the chunked form."""
+    from polylin import _policy
+
+    xs = [jb.from_numpy(a) for a in _qkv(rng, lead=(2,))]
+    g = jb.from_numpy(-rng.uniform(0.0, 0.5, (2, T, D_K)))
+    attend = functools.partial(causal_linear_attention, chunk_size=CHUNK)
+    program = str(jax.make_jaxpr(lambda *a: attend(*a[:3], log_decay=a[3]))(*xs, g))
+    on_cpu = jax.default_backend() == "cpu"
+    assert ("scan" in program and "custom_jvp_call" in program) == on_cpu
+    assert not _policy.scans_tokens(jax.numpy, xs[0])  # a concrete array: eager
+    assert not _policy.scans_tokens(np, np.zeros(1))
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+def test_scanned_forward_derivatives(jb, jax, gate, rng):
+    """The scanned forward's values, reverse-mode gradients (every input and the initial state)
+    and forward-mode tangents (``jax.jvp``) equal the quadratic reference's under ``jit``."""
+    t = 13
+    q, k, v = (jb.from_numpy(a) for a in _qkv(rng, lead=(2,), t=t))
+    width = {"none": 0, "scalar": 1, "channel": D_K}[gate]
+    g = None if gate == "none" else jb.from_numpy(-rng.uniform(0.0, 0.5, (2, t, width)))
+    S0 = jb.from_numpy(rng.standard_normal((2, D_K, D_V)) * 0.3)
+    z0 = jb.from_numpy(np.abs(rng.standard_normal((2, D_K))) + 1.0)
+    weights = jb.from_numpy(rng.standard_normal((2, t, D_V)))
+
+    def loss(q, k, v, g, S0, z0, method):
+        out = causal_linear_attention(
+            q, k, v, method=method, chunk_size=CHUNK, log_decay=g,
+            initial_state=LinearAttentionState(S0, z0),
+        )  # fmt: skip
+        return jax.numpy.sum(out * weights)
+
+    args = (q, k, v, g, S0, z0)
+    argnums = tuple(i for i, a in enumerate(args) if a is not None)
+    grads = jax.jit(jax.value_and_grad(loss, argnums=argnums), static_argnames="method")
+    (value, got), (want_value, want) = grads(*args, "chunked"), grads(*args, "quadratic")
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-10)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(jb.to_numpy(a), jb.to_numpy(b), rtol=1e-9, atol=1e-10)
+    tangents = [x if x is None else jax.numpy.ones_like(x) for x in args]
+
+    def jvp(method):
+        return jax.jit(lambda *a: jax.jvp(lambda *b: loss(*b, method), a, tuple(tangents))[1])(
+            *args
+        )
+
+    np.testing.assert_allclose(float(jvp("chunked")), float(jvp("quadratic")), rtol=1e-9)
