@@ -81,12 +81,12 @@ def matmul(xp: Any, a: Any, b: Any) -> Any:
 def read_state(xp: Any, x: Any, S: Any) -> Any:
     """``S^T x``: the vector ``x`` ``(..., m)`` read through the state ``S`` ``(..., m, n)``.
 
-    ``x`` may broadcast against the leading dimensions of ``S`` (grouped heads): then ``x`` is
-    broadcast first, a copy of ``m`` numbers per group, never of the state (which
-    :func:`matmul` would permute, and a sum of ``x * S`` would write out whole).
+    ``x`` may broadcast against the leading dimensions of ``S`` (grouped heads): then the
+    product is a sum of ``x * S``, which keeps ``x`` itself for the backward (a broadcast
+    matmul would keep a copy of ``x`` per group, :func:`matmul` a permuted copy of ``S``).
     """
     if x.shape[:-1] != S.shape[:-2]:
-        x = xp.broadcast_to(x, (*S.shape[:-2], x.shape[-1]))
+        return xp.sum(x[..., :, None] * S, axis=-2)
     return (x[..., None, :] @ S)[..., 0, :]
 
 

@@ -185,7 +185,9 @@ def test_future_value_reach_is_as_documented(backend, method, rng):
 
     The recurrent form keeps every output before t; the chunked form every output before the
     chunk that holds t (0 x NaN inside the intra-chunk matrix product reaches the earlier rows
-    of that chunk); the quadratic form none (one T x T product). From t on every output is NaN.
+    of that chunk), except where its forward is a scan over the tokens (jitted JAX on the CPU,
+    as the suite runs the ``jax`` backend): there every output before t; the quadratic form
+    none (one T x T product). From t on every output is NaN.
     """
     q, k, v = rng.standard_normal((3, 2, T, 3))
     t = 6
@@ -194,7 +196,8 @@ def test_future_value_reach_is_as_documented(backend, method, rng):
     kwargs = dict(method=method, chunk_size=CHUNK)
     clean = _run(backend, causal_linear_attention, (q, k, v), **kwargs)
     poisoned = _run(backend, causal_linear_attention, (q, k, bad), **kwargs)
-    kept = {"recurrent": t, "chunked": t - t % CHUNK, "quadratic": 0}[method]
+    scanned = backend is Backend.JAX  # jitted by the suite, on the CPU
+    kept = {"recurrent": t, "chunked": t if scanned else t - t % CHUNK, "quadratic": 0}[method]
     np.testing.assert_array_equal(poisoned[:, :kept], clean[:, :kept])
     assert np.isnan(poisoned[:, kept:]).all()
 
