@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._policy import device, unstack
+from ._policy import device, unstack, vector_times_matrix
 
 __all__ = [
     "broadcast_shape",
@@ -87,7 +87,7 @@ def read_state(xp: Any, x: Any, S: Any) -> Any:
     """
     if x.shape[:-1] != S.shape[:-2]:
         return xp.sum(x[..., :, None] * S, axis=-2)
-    return (x[..., None, :] @ S)[..., 0, :]
+    return vector_times_matrix(xp, x, S)
 
 
 def dense(xp: Any, x: Any) -> Any:

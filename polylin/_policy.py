@@ -48,6 +48,7 @@ __all__ = [
     "stacked_qr",
     "unstack",
     "unsupported_array",
+    "vector_times_matrix",
     "with_derivatives_of",
 ]
 
@@ -200,6 +201,18 @@ def add_outer(xp: Any, S: Any, x: Any, y: Any) -> Any:
     if _torch_namespace(S) is not None:
         return sys.modules["torch"].addcmul(S, x[..., :, None], y[..., None, :])
     return S + x[..., :, None] * y[..., None, :]
+
+
+def vector_times_matrix(xp: Any, x: Any, S: Any) -> Any:
+    """``(x[..., None, :] @ S)[..., 0, :]`` for ``x`` ``(..., m)`` and ``S`` ``(..., m, n)`` of
+    the same leading dimensions. PyTorch: one ``bmm`` of the flattened batch, which measured
+    2.3x faster than ``@`` on a decoding step's five-dimensional state (7 against 16 us)."""
+    if _torch_namespace(S) is not None:
+        torch = sys.modules["torch"]
+        m, n = S.shape[-2:]
+        product = torch.bmm(x.reshape(-1, 1, m), S.reshape(-1, m, n))
+        return product.reshape(*S.shape[:-2], n)
+    return (x[..., None, :] @ S)[..., 0, :]
 
 
 def nonpositive(xp: Any, x: Any) -> Any:
