@@ -14,7 +14,7 @@ from typing import Any
 from ._ops import read_state
 from ._policy import add_outer, scan, unstack
 
-__all__ = ["causal_recurrent", "causal_scan", "recurrent_step"]
+__all__ = ["causal_recurrent", "recurrent_step"]
 
 
 def recurrent_step(
@@ -59,16 +59,21 @@ def causal_recurrent(
     eps: float,
     log_decay: Any | None = None,
     normalize: bool = True,
+    scanned: bool = False,
 ) -> tuple[Any, Any, Any]:
     """Causal linear attention by T sequential state updates, from the state ``(S, z)``.
 
     The tokens are taken apart by one ``unstack`` per input (not a slice per token, whose
     backward would be quadratic in T) and the outputs joined by one ``stack``. The leading
     dimensions of the inputs broadcast (grouped heads); the state has the broadcast ones.
+    ``scanned``: the same :func:`recurrent_step` per token as one scan (``_policy.scan``, where
+    ``_policy.scans_tokens``), compiled once instead of unrolled T times.
     """
     T = fq.shape[-2]
     if T == 0:  # the broadcast leading dimensions (grouped heads) are the state's
         return xp.broadcast_to(v, (*S.shape[:-2], *v.shape[-2:])), S, z
+    if scanned:
+        return _scan(xp, fq, fk, v, S, z, eps=eps, log_decay=log_decay, normalize=normalize)
     tokens = [unstack(xp, x, axis=-2) for x in (fq, fk, v)]
     decays: Sequence[Any | None]
     if log_decay is None:
@@ -84,7 +89,7 @@ def causal_recurrent(
     return xp.stack(outputs, axis=-2), S, z
 
 
-def causal_scan(
+def _scan(
     xp: Any,
     fq: Any,
     fk: Any,
@@ -93,12 +98,10 @@ def causal_scan(
     z: Any,
     *,
     eps: float,
-    log_decay: Any | None = None,
-    normalize: bool = True,
+    log_decay: Any | None,
+    normalize: bool,
 ) -> tuple[Any, Any, Any]:
-    """:func:`causal_recurrent` as one scan over the tokens (``_policy.scan``): the same
-    :func:`recurrent_step` for each, compiled once instead of unrolled T times."""
-    T = fq.shape[-2]
+    """:func:`causal_recurrent` (``scanned=True``) for T >= 1."""
     per_token = [fq, fk, v]
     g = None  # a decay shared by every token
     if log_decay is not None and log_decay.shape[-2] == 1:
@@ -114,7 +117,5 @@ def causal_scan(
         )
         return (S_t, z_t), o
 
-    if T == 0:
-        return causal_recurrent(xp, fq, fk, v, S, z, eps=eps, normalize=normalize)
     (S, z), outputs = scan(token, (S, z), xs)
     return xp.moveaxis(outputs, 0, -2), S, z

@@ -13,7 +13,7 @@ from ._ops import matmul
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, scans_tokens, with_derivatives_of
 from ._prepare import apply_feature_map, finish, select
 from ._quadratic import quadratic
-from ._recurrent import causal_recurrent, causal_scan
+from ._recurrent import causal_recurrent
 from ._state import LinearAttentionState
 from ._typing import Array
 from ._validation import (
@@ -268,7 +268,9 @@ def _scanned_chunked(
     mapped and masked already)."""
 
     def scanned(fq: Array, fk: Array, v: Array, S: Array, z: Array, g: Array | None) -> Any:
-        return causal_scan(xp, fq, fk, v, S, z, eps=eps, log_decay=g, normalize=normalize)
+        return causal_recurrent(
+            xp, fq, fk, v, S, z, eps=eps, log_decay=g, normalize=normalize, scanned=True
+        )
 
     def chunked(fq: Array, fk: Array, v: Array, S: Array, z: Array, g: Array | None) -> Any:
         return causal_chunked(
