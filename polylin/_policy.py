@@ -249,7 +249,7 @@ def scans_tokens(xp: Any, x: Any) -> bool:
 
     JAX tracing for the CPU (under ``jax.jit``): XLA compiles a scan's small state update into
     one tight loop, which measured 1.4-4.2x faster than the chunked form's forward at T = 4096
-    (``docs/performance.md``, "JAX on the CPU"), while the chunked form's derivatives stay 3-10x
+    (``docs/performance.md``, "Decay on JAX"), while the chunked form's derivatives stay 3-10x
     faster than the scan's. The two are combined by :func:`with_derivatives_of`. Eager JAX keeps
     the chunked form (a scan would be traced anew at every call); so do accelerators.
     """
