@@ -8,7 +8,8 @@ its own step)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from ._ops import read_state
@@ -73,7 +74,8 @@ def causal_recurrent(
     if T == 0:  # the broadcast leading dimensions (grouped heads) are the state's
         return xp.broadcast_to(v, (*S.shape[:-2], *v.shape[-2:])), S, z
     if scanned:
-        return _scan(xp, fq, fk, v, S, z, eps=eps, log_decay=log_decay, normalize=normalize)
+        step = partial(recurrent_step, xp, eps=eps, normalize=normalize)
+        return _scan(xp, (fq, fk, v), (S, z), step, log_decay)
     tokens = [unstack(xp, x, axis=-2) for x in (fq, fk, v)]
     decays: Sequence[Any | None]
     if log_decay is None:
@@ -91,18 +93,14 @@ def causal_recurrent(
 
 def _scan(
     xp: Any,
-    fq: Any,
-    fk: Any,
-    v: Any,
-    S: Any,
-    z: Any,
-    *,
-    eps: float,
+    tokens: tuple[Any, Any, Any],
+    state: tuple[Any, Any],
+    step: Callable[..., Any],
     log_decay: Any | None,
-    normalize: bool,
 ) -> tuple[Any, Any, Any]:
-    """:func:`causal_recurrent` (``scanned=True``) for T >= 1."""
-    per_token = [fq, fk, v]
+    """:func:`causal_recurrent` with ``scanned=True`` (T >= 1): ``step(q_t, k_t, v_t, S, z,
+    log_decay=g_t)`` once per token, inside one scan."""
+    per_token = list(tokens)
     g = None  # a decay shared by every token
     if log_decay is not None and log_decay.shape[-2] == 1:
         g = log_decay[..., 0, :]
@@ -112,10 +110,8 @@ def _scan(
 
     def token(carry: tuple[Any, Any], x: tuple[Any, ...]) -> tuple[tuple[Any, Any], Any]:
         q_t, k_t, v_t, *g_t = x
-        o, S_t, z_t = recurrent_step(
-            xp, q_t, k_t, v_t, *carry, eps, log_decay=g_t[0] if g_t else g, normalize=normalize
-        )
+        o, S_t, z_t = step(q_t, k_t, v_t, *carry, log_decay=g_t[0] if g_t else g)
         return (S_t, z_t), o
 
-    (S, z), outputs = scan(token, (S, z), xs)
+    (S, z), outputs = scan(token, state, xs)
     return xp.moveaxis(outputs, 0, -2), S, z
