@@ -54,15 +54,17 @@ from polylin import causal_linear_attention, delta_rule_attention  # noqa: E402
 BATCH, HEADS, D = 2, 4, 64
 
 
-def inputs(length: int, *, grad: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
+def inputs(
+    length: int, *, grad: bool = False, seed: int = 0, d: int = D
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = (BATCH, HEADS, length)
-    q = torch.randn(*shape, D, generator=g)
-    k = torch.nn.functional.normalize(torch.randn(*shape, D, generator=g), dim=-1)
-    v = torch.randn(*shape, D, generator=g)
+    q = torch.randn(*shape, d, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(*shape, d, generator=g), dim=-1)
+    v = torch.randn(*shape, d, generator=g)
     beta = torch.sigmoid(torch.randn(*shape, 1, generator=g))
     log_decay = -torch.nn.functional.softplus(torch.randn(*shape, 1, generator=g)) / 16
-    channels = -torch.nn.functional.softplus(torch.randn(*shape, D, generator=g)) / 16
+    channels = -torch.nn.functional.softplus(torch.randn(*shape, d, generator=g)) / 16
     out = {"q": q, "k": k, "v": v, "beta": beta, "log_decay": log_decay, "channels": channels}
     if grad:
         for x in out.values():
@@ -146,8 +148,6 @@ def forward_backward(repeats: int, chunk: dict[str, int]) -> dict[str, float]:
     return interleaved(calls, repeats)
 
 
-
-
 def _transformers(model: str, name: str) -> Callable[..., Any]:
     """A pure-PyTorch function of transformers' model code (its own torch path: a hub or fla
     kernel it may be wrapped with needs Triton)."""
@@ -199,36 +199,53 @@ def peer_inputs(x: dict[str, torch.Tensor], kind: str) -> list[torch.Tensor]:
     return [_bthd(t) for t in (x["q"], x["k"], x["v"], x["beta"][..., 0], g)]
 
 
-def check_peer(name: str, fn: Callable[..., torch.Tensor], length: int = 128) -> float:
+def check_peer(name: str, fn: Callable[..., torch.Tensor], length: int = 128, d: int = D) -> float:
     """The largest difference between a peer and polylin (float32, unit keys; fla's KDA
     reference needs T a multiple of its chunk): round-off only, or an AssertionError."""
-    x = inputs(length, seed=1)
+    x = inputs(length, seed=1, d=d)
     kind = name.rsplit("_", 1)[1]
     with torch.no_grad():
         theirs = fn(*peer_inputs(x, kind))
     q, k, v, beta = (x[n] for n in ("q", "k", "v", "beta"))
     g = x["channels"] if kind == "kda" else x["log_decay"]
-    ours = delta_rule_attention(q, k, v, beta, log_decay=g, scale=D**-0.5)
+    ours = delta_rule_attention(q, k, v, beta, log_decay=g, scale=d**-0.5)
     error = (theirs - _bthd(ours)).abs().max().item()
     if error > 1e-4:  # float32 round-off (outputs are of order 1)
         raise AssertionError(f"{name} differs from polylin by {error}")
     return error
 
 
-def peers(repeats: int, length: int = 4096) -> dict[str, Any]:
-    """Forward and forward + backward of polylin and each peer at ``length`` (seconds)."""
+#: The peers' sizes (``--peers T:d[:kinds]``): both gates at T = 4096, d = 64; the scalar gate
+#: (GDN) also at T = 16384 and d = 128. The KDA peers take 15-100x polylin's time, which makes
+#: them minutes per call at the larger sizes.
+PEER_SIZES = ("4096:64", "16384:64:gdn", "4096:128:gdn")
+
+
+def peer_size(spec: str) -> tuple[int, int, tuple[str, ...]]:
+    """``"T:d"`` or ``"T:d:kind,kind"`` -> ``(T, d, kinds)`` (kinds ``gdn`` and ``kda``)."""
+    length, d, *kinds = spec.split(":")
+    return int(length), int(d), tuple(kinds[0].split(",")) if kinds else ("gdn", "kda")
+
+
+def peers(
+    repeats: int, length: int = 4096, d: int = D, kinds: tuple[str, ...] = ("gdn", "kda")
+) -> dict[str, Any]:
+    """Forward and forward + backward of polylin and each peer at ``length`` and ``d``
+    (seconds)."""
     found, skipped = peer_calls()
-    x = inputs(length, grad=True)
+    x = inputs(length, grad=True, d=d)
     calls: dict[str, Callable[[], object]] = {}
     checked = {}
     for kind, gate in (("gdn", "log_decay"), ("kda", "channels")):
+        if kind not in kinds:
+            continue
         ours = [x[n] for n in ("q", "k", "v", "beta", gate)]
         candidates = {f"polylin_{kind}": (lambda *a: delta_rule_attention(
-            a[0], a[1], a[2], a[3], log_decay=a[4], scale=D**-0.5), ours)}  # fmt: skip
+            a[0], a[1], a[2], a[3], log_decay=a[4], scale=d**-0.5), ours)}  # fmt: skip
         for name, fn in found.items():
             if name.endswith(kind):
                 wrapped = peer(fn)
-                checked[name] = check_peer(name, wrapped)
+                checked[name] = check_peer(name, wrapped, d=d)
                 theirs = [t.detach().requires_grad_(True) for t in peer_inputs(x, kind)]
                 candidates[name] = (wrapped, theirs)
         for name, (fn, args) in candidates.items():
@@ -317,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-size", type=int, default=None, help="of the delta rule (default: the library's)"
     )
-    parser.add_argument("--peers", action="store_true", help="time the peers at T = 4096")
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        metavar="T:d[:kinds]",
+        default=None,
+        help=f"time the peers (no size given: {' '.join(PEER_SIZES)})",
+    )
     parser.add_argument("--memory", action="store_true", help="grouped vs repeated peak memory")
     parser.add_argument("--memory-child", nargs=2, metavar=("LAYOUT", "T"), help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="write the results here")
@@ -351,17 +374,21 @@ def main(argv: list[str] | None = None) -> int:
         "fwd+bwd time(16k) / time(4k) (KDA, chunked)": ("kda_fwd_bwd_16384", "kda_fwd_bwd_4096"),
     }
     extra: dict[str, Any] = {}
-    if args.peers:
-        result = peers(args.repeats)
-        times.update(result["seconds"])
-        extra["peers"] = {"skipped": result["skipped"], "max_error": result["errors"]}
-        for name in result["errors"]:
-            kind = name.rsplit("_", 1)[1]
-            for mode in ("fwd", "fwd_bwd"):
-                pairs[f"polylin / {name} ({mode.replace('_', '+')}, T=4096)"] = (
-                    f"polylin_{kind}_{mode}",
-                    f"{name}_{mode}",
-                )
+    if args.peers is not None:
+        extra["peers"] = {}
+        for spec in args.peers or PEER_SIZES:
+            length, d, kinds = peer_size(spec)
+            result = peers(args.repeats, length, d, kinds)
+            at = f"T={length}, d={d}"
+            times.update({f"{name} ({at})": t for name, t in result["seconds"].items()})
+            extra["peers"][at] = {"skipped": result["skipped"], "max_error": result["errors"]}
+            for name in result["errors"]:
+                kind = name.rsplit("_", 1)[1]
+                for mode in ("fwd", "fwd_bwd"):
+                    pairs[f"polylin / {name} ({mode.replace('_', '+')}, {at})"] = (
+                        f"polylin_{kind}_{mode} ({at})",
+                        f"{name}_{mode} ({at})",
+                    )
     ratios = {
         name: {c: times[a][c] / times[b][c] for c in CLOCKS} for name, (a, b) in pairs.items()
     }

@@ -38,7 +38,15 @@ from typing import Any
 
 from ._intra_chunk import SCORES, SOLVE, intra_chunk, scalar_gate_scores
 from ._ops import causal_mask, dense, l2_normalize, matmul, pad_rows, read_state
-from ._policy import add_outer, cumulative_sum, device, eager_cpu, keep_lower, unstack
+from ._policy import (
+    add_outer,
+    cpu_threads,
+    cumulative_sum,
+    device,
+    eager_cpu,
+    keep_lower,
+    unstack,
+)
 
 __all__ = ["BLOCK_ROWS", "delta_chunked", "delta_recurrent", "delta_step"]
 
@@ -76,10 +84,12 @@ def delta_recurrent(
     return xp.stack(outputs, axis=-2), S
 
 
-#: Rows (batch x tokens) per block of chunks on eager CPU backends: the chunks' C x C
-#: intermediates (scores, triangular inverse, decays) of one block stay in cache instead of
-#: being allocated at the size of the whole sequence. Measured on PyTorch CPU (d = 64, C = 64,
-#: float32): see ``docs/delta_rule.md``.
+#: Rows (batch x tokens) per block of chunks and per thread (``_policy.cpu_threads``) on eager
+#: CPU backends: the chunks' C x C intermediates (scores, triangular inverse, decays) of one
+#: block stay in cache instead of being allocated at the size of the whole sequence, and each
+#: thread gets a share of every operation large enough to pay for the split. Measured on
+#: PyTorch CPU (d = 64 and 128, C = 64, float32, 1, 2 and 4 threads): see
+#: ``docs/delta_rule.md``.
 BLOCK_ROWS = 4096
 
 
@@ -99,8 +109,8 @@ def delta_chunked(
 
     The chunk length is rounded up to a power of two (the levels of
     :func:`polylin._intra_chunk.intra_chunk` halve it); zero padding changes no result. On
-    eager CPU backends the chunks are processed in blocks of about :data:`BLOCK_ROWS` rows;
-    lazy and accelerator backends get one block. Blocks come from one reshape and one
+    eager CPU backends the chunks are processed in blocks of about :data:`BLOCK_ROWS` rows per
+    thread; lazy and accelerator backends get one block. Blocks come from one reshape and one
     ``unstack`` per input (autograd sees no per-block slice); each array keeps its own leading
     dimensions (grouped heads broadcast, nothing is copied per group).
 
@@ -115,7 +125,8 @@ def delta_chunked(
     n_chunks = -(-T // chunk)
     per_block = n_chunks
     if eager_cpu(xp, device(k)):
-        per_block = max(1, BLOCK_ROWS // (chunk * max(1, math.prod(S.shape[:-2]))))
+        rows = BLOCK_ROWS * cpu_threads(xp)
+        per_block = max(1, rows // (chunk * max(1, math.prod(S.shape[:-2]))))
     n_blocks = -(-n_chunks // per_block)
     per_block = -(-n_chunks // n_blocks)  # as even as possible: little padding
     padded = n_blocks * per_block * chunk

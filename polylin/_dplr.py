@@ -40,7 +40,7 @@ from ._intra_chunk import (
     unit_lower_inverse,
 )
 from ._ops import causal_mask, pad_rows, read_state, split_rows
-from ._policy import add_outer, cumulative_sum, device, eager_cpu, unstack
+from ._policy import add_outer, cpu_threads, cumulative_sum, device, eager_cpu, unstack
 
 __all__ = ["BLOCK_ROWS", "dplr_chunked", "dplr_quadratic", "dplr_recurrent", "dplr_step"]
 
@@ -137,10 +137,10 @@ def dplr_quadratic(
     return out, S
 
 
-#: Rows (batch x tokens) per block of chunks on eager CPU backends: the chunks' C x C
-#: intermediates of one block (the four matrices, the inverse, each level's blocks) stay in
-#: cache instead of being allocated at the size of the whole sequence (as the delta rule's
-#: chunked form does; measured in ``benchmarks/dplr.py``).
+#: Rows (batch x tokens) per block of chunks and per thread (``_policy.cpu_threads``) on eager
+#: CPU backends: the chunks' C x C intermediates of one block (the four matrices, the inverse,
+#: each level's blocks) stay in cache instead of being allocated at the size of the whole
+#: sequence (as the delta rule's chunked form does; measured in ``benchmarks/dplr.py``).
 BLOCK_ROWS = 4096
 
 
@@ -152,9 +152,9 @@ def dplr_chunked(
     Within every chunk (all chunks of a block at once, batched): the four matrices of decayed
     inner products and the inverse of ``I - L``; then ``R = U + W S`` and the state update per
     chunk, two small matmuls each in the sequential loop over chunks. On eager CPU backends the
-    chunks are processed in blocks of about :data:`BLOCK_ROWS` rows, cut by one reshape and one
-    ``unstack`` per input (:func:`polylin._ops.split_rows`); lazy and accelerator backends get
-    one block.
+    chunks are processed in blocks of about :data:`BLOCK_ROWS` rows per thread, cut by one
+    reshape and one ``unstack`` per input (:func:`polylin._ops.split_rows`); lazy and
+    accelerator backends get one block.
     """
     T = k.shape[-2]
     if T == 0:
@@ -167,7 +167,8 @@ def dplr_chunked(
     block = padded
     if eager_cpu(xp, device(k)):
         rows = math.prod(S.shape[:-2])
-        block = min(padded, chunk * max(1, BLOCK_ROWS // (chunk * max(1, rows))))
+        per_block = BLOCK_ROWS * cpu_threads(xp)
+        block = min(padded, chunk * max(1, per_block // (chunk * max(1, rows))))
     outputs = []
     for pieces in zip(*(split_rows(xp, x, block, padded) for x in arrays)):
         out, S = _chunks(xp, *pieces, S=S, chunk=chunk)

@@ -30,6 +30,7 @@ __all__ = [
     "cacheable",
     "compiled",
     "compiling",
+    "cpu_threads",
     "cumulative_sum",
     "device",
     "eager_constants",
@@ -242,6 +243,21 @@ def eager_cpu(xp: Any, dev: Any) -> bool:
     # Under torch.compile the whole call becomes one graph that the compiler fuses and
     # schedules: blocks would only unroll into a graph that grows with T.
     return not sys.modules["torch"].compiler.is_compiling()
+
+
+def cpu_threads(xp: Any) -> int:
+    """The threads one operation of ``xp`` runs on, on the CPU: PyTorch's
+    ``torch.get_num_threads()``; 1 for every other library (NumPy's elementwise operations run
+    on one thread, its BLAS threads only the matrix products).
+
+    The blocks of the chunked forms on eager CPU backends grow with it: a block's operations
+    are split between the threads, and blocks sized for one thread's cache left two threads
+    waiting on each other at every one of their small operations (``docs/performance.md``,
+    "Blocks and threads").
+    """
+    if _library(xp) != "torch":
+        return 1
+    return max(1, int(sys.modules["torch"].get_num_threads()))
 
 
 def scans_tokens(xp: Any, x: Any) -> bool:

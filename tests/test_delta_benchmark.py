@@ -33,6 +33,19 @@ def test_a_wrong_peer_is_refused():
         delta_rule.check_peer("wrong_kda", delta_rule.peer(wrong))
 
 
+def test_peers_run_small_at_each_size():
+    """The peers section times polylin and every peer found, checked first, at the size asked;
+    sizes parse as ``T:d[:kinds]``."""
+    assert delta_rule.peer_size("4096:64") == (4096, 64, ("gdn", "kda"))
+    assert delta_rule.peer_size("16384:128:gdn") == (16384, 128, ("gdn",))
+    result = delta_rule.peers(1, length=64, d=32, kinds=("gdn",))
+    found = [name for name in result["errors"]]
+    assert all(name.endswith("_gdn") for name in found)
+    for name in ["polylin_gdn", *found]:
+        for mode in ("fwd", "fwd_bwd"):
+            assert result["seconds"][f"{name}_{mode}"]["wall"] > 0
+
+
 def test_peak_memory_runs_small():
     out = delta_rule.peak_memory(length=256)
     for layout in ("grouped", "repeated"):
