@@ -1,6 +1,7 @@
 """Benchmark of the delta rule on PyTorch CPU: ratios measured in one run.
 
-    python benchmarks/delta_rule.py [--repeats 5] [--threads N] [--chunk-size C] [--json out.json]
+    python benchmarks/delta_rule.py [--repeats 5] [--threads N] [--chunk-size C]
+        [--peers [T:d[:kinds] ...]] [--memory] [--json out.json]
 
 float32, batch x heads = 8, d_k = d_v = 64, unit keys, per-token beta (and per-token decay for
 the gated rule). Reported, each as a ratio of medians measured in the same run (absolute times
@@ -17,7 +18,8 @@ on a shared machine are noise; the implementations being compared are timed in a
 - ``--peers``: forward and forward + backward beside the pure-PyTorch chunked forms that models
   ship (transformers' ``torch_chunk_gated_delta_rule`` and ``chunk_kimi_delta_attention``,
   flash-linear-attention's ``naive_chunk_gated_delta_rule`` and ``naive_chunk_kda``), each
-  first checked against polylin on small inputs;
+  first checked against polylin on small inputs, at the sizes given (default
+  :data:`PEER_SIZES`);
 - ``--memory``: peak resident memory of a forward + backward with grouped heads (G = 4: q and
   k of ``(B, H, 1, T, d)``) against the same call with q and k repeated to ``(B, H, 4, T, d)``.
 

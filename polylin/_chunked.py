@@ -64,7 +64,6 @@ from ._ops import (
     widens,
 )
 from ._policy import (
-    cpu_threads,
     cumulative_sum,
     device,
     eager_cpu,
@@ -75,11 +74,11 @@ from ._policy import (
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
-#: Bytes per block and per thread (``_policy.cpu_threads``) on eager CPU backends, counted as
-#: batch x tokens x (d_phi + d_v) x itemsize; chosen by measurement (``docs/performance.md``,
-#: "Blocks and threads"): 2 MiB is 4096 rows (batch x tokens) at d = 64 and 2048 at d = 128 in
-#: float32. Larger blocks spill the cache, smaller ones pay more per-operation overhead, and
-#: with more threads each thread's share of a small operation would not pay for the split.
+#: Bytes per block on eager CPU backends, counted as batch x tokens x (d_phi + d_v) x itemsize;
+#: chosen by measurement (``docs/performance.md``): 2 MiB is 4096 rows (batch x tokens) at
+#: d = 64 and 2048 at d = 128 in float32. With the libraries' default threads it was as fast or
+#: faster than 1, 4 and 8 MiB (larger blocks spill the cache, smaller ones pay more
+#: per-operation overhead); on one thread 1 MiB is up to 10% faster.
 BLOCK_BYTES = 2 * 2**20
 
 #: ``features(q, k, mask)`` returns ``(phi(q), phi(k))`` of one block of tokens in the work
@@ -87,15 +86,15 @@ BLOCK_BYTES = 2 * 2**20
 Features = Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
-def block_tokens(eager: bool, length: int, chunk: int, token_bytes: int, threads: int) -> int:
+def block_tokens(eager: bool, length: int, chunk: int, token_bytes: int) -> int:
     """Tokens per block: a multiple of ``chunk``, or ``length`` where blocks do not pay.
 
     ``token_bytes`` is ``batch x (d_phi + d_v) x itemsize``: one token's features and values
-    over the whole batch; a block holds :data:`BLOCK_BYTES` of them per thread.
+    over the whole batch.
     """
     if not eager:
         return max(length, 1)
-    return chunk * max(1, BLOCK_BYTES * threads // (chunk * max(token_bytes, 1)))
+    return chunk * max(1, BLOCK_BYTES // (chunk * max(token_bytes, 1)))
 
 
 def causal_chunked(
@@ -141,7 +140,7 @@ def causal_chunked(
     # level's decayed queries and keys) would make blocks shorter, and that measured no faster
     # (twice the bytes per token) or 15-60% slower (four times), forward and backward.
     token_bytes = math.prod(batch) * (d_phi + d_v) * itemsize
-    block = block_tokens(eager, T, chunk, token_bytes, cpu_threads(xp))
+    block = block_tokens(eager, T, chunk, token_bytes)
     causal = causal_mask(xp, chunk, chunk, dev)
     outputs = []
     pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))

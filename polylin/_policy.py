@@ -250,11 +250,10 @@ def cpu_threads(xp: Any) -> int:
     ``torch.get_num_threads()``; 1 for every other library (NumPy's elementwise operations run
     on one thread, its BLAS threads only the matrix products).
 
-    The blocks of the chunked forms on eager CPU backends grow with it: a block's operations
-    are split between the threads, and blocks sized for one thread's cache left two threads
-    waiting on each other at every one of their small operations (``docs/performance.md``,
-    "Blocks and threads").
-    """
+    The blocks of the delta rules' chunked forms on eager CPU backends grow with it: a block's
+    operations are split between the threads, and blocks sized for one thread's cache left two
+    threads waiting on each other at every one of their small operations
+    (``docs/performance.md``, "Blocks and threads")."""
     if _library(xp) != "torch":
         return 1
     return max(1, int(sys.modules["torch"].get_num_threads()))

@@ -60,24 +60,18 @@ def test_small_blocks_with_mask_and_state(backend, small_blocks, rng):
         backend.to_numpy(whole), masked_kernel(q, k, v, mask=mask), atol=1e-10
     )
     first, state = causal_linear_attention(
-        *(x[:, :split, ...] for x in xs),
-        chunk_size=4,
-        attention_mask=m[:, :split],
+        *(x[:, :split, ...] for x in xs), chunk_size=4, attention_mask=m[:, :split],
         return_state=True,
     )
     assert isinstance(state, LinearAttentionState)
     second = causal_linear_attention(
-        *(x[:, split:, ...] for x in xs),
-        chunk_size=4,
-        attention_mask=m[:, split:],
+        *(x[:, split:, ...] for x in xs), chunk_size=4, attention_mask=m[:, split:],
         initial_state=state,
     )
-    np.testing.assert_allclose(
-        backend.to_numpy(first), backend.to_numpy(whole)[:, :split], atol=1e-10
-    )
-    np.testing.assert_allclose(
-        backend.to_numpy(second), backend.to_numpy(whole)[:, split:], atol=1e-10
-    )
+    np.testing.assert_allclose(backend.to_numpy(first), backend.to_numpy(whole)[:, :split],
+                               atol=1e-10)
+    np.testing.assert_allclose(backend.to_numpy(second), backend.to_numpy(whole)[:, split:],
+                               atol=1e-10)
 
 
 def test_small_blocks_query_feature_map(backend, small_blocks, rng):
@@ -88,7 +82,8 @@ def test_small_blocks_query_feature_map(backend, small_blocks, rng):
     xs = [backend.from_numpy(x, "float64") for x in (q, k, v)]
     blocked = causal_linear_attention(*xs, phi, chunk_size=4)
     quadratic = causal_linear_attention(*xs, phi, method="quadratic")
-    np.testing.assert_allclose(backend.to_numpy(blocked), backend.to_numpy(quadratic), atol=1e-10)
+    np.testing.assert_allclose(backend.to_numpy(blocked), backend.to_numpy(quadratic),
+                               atol=1e-10)
 
 
 def test_float32_many_blocks_stays_accurate(rng):
@@ -102,61 +97,12 @@ def test_float32_many_blocks_stays_accurate(rng):
 
 @pytest.mark.parametrize("chunk", [1, 48, 64])
 @pytest.mark.parametrize("token_bytes", [4, 4096, 10**9])
-@pytest.mark.parametrize("threads", [1, 3])
-def test_block_tokens(chunk, token_bytes, threads, monkeypatch):
-    """A block is whole chunks, at least one, and as many as fit the byte budget of its
-    threads."""
-    assert chunked.block_tokens(False, 5000, chunk, token_bytes, threads) == 5000  # lazy
-    assert chunked.block_tokens(False, 0, chunk, token_bytes, threads) == 1
+def test_block_tokens(chunk, token_bytes, monkeypatch):
+    """A block is whole chunks, at least one, and as many as fit the byte budget."""
+    assert chunked.block_tokens(False, 5000, chunk, token_bytes) == 5000  # lazy: one block
+    assert chunked.block_tokens(False, 0, chunk, token_bytes) == 1
     monkeypatch.setattr(chunked, "BLOCK_BYTES", 2**20)
-    budget = threads * 2**20
-    tokens = chunked.block_tokens(True, 5000, chunk, token_bytes, threads)
+    tokens = chunked.block_tokens(True, 5000, chunk, token_bytes)
     assert tokens % chunk == 0 and tokens >= chunk
-    assert tokens * token_bytes <= budget or tokens == chunk  # within budget, or one chunk
-    assert (tokens + chunk) * token_bytes > budget  # one more chunk would not fit
-
-
-@pytest.mark.parametrize("form", ["linear", "delta", "dplr"])
-def test_blocks_grow_with_torch_threads(form, monkeypatch):
-    """On PyTorch the blocks hold a budget per thread (``_policy.cpu_threads``): three threads
-    walk the sequence in a third of the blocks of one thread, to the same result."""
-    torch = pytest.importorskip("torch")
-    import polylin
-    import polylin._delta
-    import polylin._dplr
-
-    module, name = {
-        "linear": (chunked, "_block"),
-        "delta": (polylin._delta, "_block"),
-        "dplr": (polylin._dplr, "_chunks"),
-    }[form]
-    blocks = []
-    inner = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **kw: blocks.append(1) or inner(*a, **kw))
-    monkeypatch.setattr(chunked, "BLOCK_BYTES", 16 * (8 + 8) * 8)  # 16 tokens of q, v (float64)
-    monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", 16)
-    monkeypatch.setattr(polylin._dplr, "BLOCK_ROWS", 16)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 96, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    k = torch.nn.functional.normalize(k, dim=-1)
-    beta = torch.rand(1, 96, 1, generator=g, dtype=torch.float64)
-
-    def call() -> torch.Tensor:
-        if form == "linear":
-            return polylin.causal_linear_attention(q, k, v, chunk_size=8)
-        if form == "delta":
-            return polylin.delta_rule_attention(q, k, v, beta, chunk_size=8)
-        return polylin.dplr_delta_rule(q, k, v, -k * beta, k * beta, chunk_size=8)
-
-    before = torch.get_num_threads()
-    results, counts = [], []
-    try:
-        for threads in (1, 3):
-            torch.set_num_threads(threads)
-            blocks.clear()
-            results.append(call())
-            counts.append(len(blocks))
-    finally:
-        torch.set_num_threads(before)
-    assert counts == [6, 2]  # 96 tokens in blocks of 16, then of 48
-    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-12)
+    assert tokens * token_bytes <= 2**20 or tokens == chunk  # within budget, or one chunk
+    assert (tokens + chunk) * token_bytes > 2**20  # one more chunk would not fit

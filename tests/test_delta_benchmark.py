@@ -46,6 +46,15 @@ def test_peers_run_small_at_each_size():
             assert result["seconds"][f"{name}_{mode}"]["wall"] > 0
 
 
+def test_block_sizes_run_small():
+    """benchmarks/blocks.py times one configuration per process; in-process it runs small."""
+    from benchmarks import blocks
+
+    for kind in ("forward", "fwd+bwd"):
+        timed = blocks.child(1, 64, kind, 128, d=8, calls=1)
+        assert timed["ms"] > 0 and timed["sys_ms"] >= 0
+
+
 def test_peak_memory_runs_small():
     out = delta_rule.peak_memory(length=256)
     for layout in ("grouped", "repeated"):

@@ -571,3 +571,44 @@ def test_seq_axis_with_cu_seqlens_and_bad_ranks(rng):
         delta_rule_attention(*bthd[:3], beta[0], seq_axis=1)
     with pytest.raises(ValueError, match="seq_axis=3 is the feature axis of q"):
         delta_rule_attention(*bthd, seq_axis=3)
+
+
+@pytest.mark.parametrize("form", ["delta", "dplr"])
+def test_blocks_grow_with_torch_threads(form, monkeypatch):
+    """On PyTorch the delta rules' blocks hold a budget per thread (``_policy.cpu_threads``):
+    three threads walk the sequence in a third of the blocks of one thread, to the same
+    result."""
+    torch = pytest.importorskip("torch")
+    import polylin._dplr
+
+    module, name = {
+        "delta": (polylin._delta, "_block"),
+        "dplr": (polylin._dplr, "_chunks"),
+    }[form]
+    blocks = []
+    inner = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: blocks.append(1) or inner(*a, **kw))
+    monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", 16)
+    monkeypatch.setattr(polylin._dplr, "BLOCK_ROWS", 16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 96, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    beta = torch.rand(1, 96, 1, generator=g, dtype=torch.float64)
+
+    def call() -> torch.Tensor:
+        if form == "delta":
+            return polylin.delta_rule_attention(q, k, v, beta, chunk_size=8)
+        return polylin.dplr_delta_rule(q, k, v, -k * beta, k * beta, chunk_size=8)
+
+    before = torch.get_num_threads()
+    results, counts = [], []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            blocks.clear()
+            results.append(call())
+            counts.append(len(blocks))
+    finally:
+        torch.set_num_threads(before)
+    assert counts == [6, 2]  # 96 tokens in blocks of 16, then of 48
+    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-12)
