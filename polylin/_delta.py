@@ -104,6 +104,7 @@ def delta_chunked(
     *,
     chunk_size: int,
     qk_l2norm: bool = False,
+    scale: float = 1.0,
 ) -> tuple[Any, Any]:
     """The delta rule in chunks of ``chunk_size`` tokens from the state ``S``: ``(out, S_T)``.
 
@@ -116,7 +117,9 @@ def delta_chunked(
 
     With ``qk_l2norm`` the queries and keys are L2-normalized block by block, inside
     :func:`_block`: the products keep the normalized blocks for the backward (they need them),
-    and no normalized copy of the whole sequence is made besides.
+    and no normalized copy of the whole sequence is made besides. ``scale`` multiplies each
+    block's queries (``o_t = S_t^T (scale q_t)``): a pass over one block in cache, not over the
+    whole output (a fresh array of the sequence's size, page faults included).
     """
     T = k.shape[-2]
     if T == 0:
@@ -150,6 +153,8 @@ def delta_chunked(
         Q, K, *rest = block
         if qk_l2norm:
             Q, K = l2_normalize(xp, Q), l2_normalize(xp, K)
+        if scale != 1.0:
+            Q = Q * scale
         out, S = _block(xp, Q, K, *rest, S=S, causal=causal)
         outputs.append(out)
     out = outputs[0] if n_blocks == 1 else xp.stack(outputs, axis=-4)

@@ -145,7 +145,17 @@ BLOCK_ROWS = 4096
 
 
 def dplr_chunked(
-    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, g: Any | None, S: Any, *, chunk_size: int
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    a: Any,
+    b: Any,
+    g: Any | None,
+    S: Any,
+    *,
+    chunk_size: int,
+    scale: float = 1.0,
 ) -> tuple[Any, Any]:
     """Chunks of ``chunk_size`` tokens (rounded up to a power of two) from the state ``S``.
 
@@ -154,7 +164,8 @@ def dplr_chunked(
     chunk, two small matmuls each in the sequential loop over chunks. On eager CPU backends the
     chunks are processed in blocks of about :data:`BLOCK_ROWS` rows per thread, cut by one
     reshape and one ``unstack`` per input (:func:`polylin._ops.split_rows`); lazy and
-    accelerator backends get one block.
+    accelerator backends get one block. ``scale`` multiplies each block's queries (one pass
+    over a block in cache, not a scaled copy of the whole sequence).
     """
     T = k.shape[-2]
     if T == 0:
@@ -170,8 +181,8 @@ def dplr_chunked(
         per_block = BLOCK_ROWS * cpu_threads(xp)
         block = min(padded, chunk * max(1, per_block // (chunk * max(1, rows))))
     outputs = []
-    for pieces in zip(*(split_rows(xp, x, block, padded) for x in arrays)):
-        out, S = _chunks(xp, *pieces, S=S, chunk=chunk)
+    for q_b, *pieces in zip(*(split_rows(xp, x, block, padded) for x in arrays)):
+        out, S = _chunks(xp, q_b if scale == 1.0 else q_b * scale, *pieces, S=S, chunk=chunk)
         outputs.append(out)
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
     return (out if padded == T else out[..., :T, :]), S

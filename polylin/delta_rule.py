@@ -68,15 +68,14 @@ def _algorithm(xp: Any, *, method: str, chunk_size: int, scale: float, qk_l2norm
     def algorithm(arrays: list[Any], S: Any) -> tuple[Any, Any]:
         q, k, v, beta, *rest = arrays
         g = rest[0] if rest else None
-        if method == "chunked":  # normalizes q and k block by block (delta_chunked)
-            out, S = delta_chunked(
-                xp, q, k, v, beta, g, S, chunk_size=chunk_size, qk_l2norm=qk_l2norm
+        if method == "chunked":  # normalizes and scales q block by block (delta_chunked)
+            return delta_chunked(
+                xp, q, k, v, beta, g, S, chunk_size=chunk_size, qk_l2norm=qk_l2norm, scale=scale
             )
-        else:
-            if qk_l2norm:
-                q, k = l2_normalize(xp, q), l2_normalize(xp, k)
-            form = delta_recurrent if method == "recurrent" else delta_quadratic
-            out, S = form(xp, q, k, v, beta, g, S)
+        if qk_l2norm:
+            q, k = l2_normalize(xp, q), l2_normalize(xp, k)
+        form = delta_recurrent if method == "recurrent" else delta_quadratic
+        out, S = form(xp, q, k, v, beta, g, S)
         if scale != 1.0:  # o_t = S_t^T (scale q_t) = scale (S_t^T q_t); the state is unchanged
             out = out * scale
         return out, S

@@ -68,16 +68,17 @@ def _vector_values(inputs: AttentionInputs, x: Any, shape: tuple) -> Any:
     return x if tuple(x.shape) == shape else inputs.xp.broadcast_to(x, shape)
 
 
-def _algorithm(xp: Any, method: str, chunk_size: int) -> Any:
-    """The form that ``method`` names, on the arrays ``[q, k, v, a, b(, log_decay)]``."""
+def _algorithm(xp: Any, method: str, chunk_size: int, scale: float) -> Any:
+    """The form that ``method`` names, on the arrays ``[q, k, v, a, b(, log_decay)]``, its
+    queries scaled (block by block in the chunked form)."""
 
     def algorithm(arrays: list[Any], S: Any) -> tuple[Any, Any]:
         q, k, v, a, b, *rest = arrays
         g = rest[0] if rest else None
         if method == "chunked":
-            return dplr_chunked(xp, q, k, v, a, b, g, S, chunk_size=chunk_size)
+            return dplr_chunked(xp, q, k, v, a, b, g, S, chunk_size=chunk_size, scale=scale)
         form = dplr_quadratic if method == "quadratic" else dplr_recurrent
-        return form(xp, q, k, v, a, b, g, S)
+        return form(xp, q if scale == 1.0 else q * scale, k, v, a, b, g, S)
 
     return algorithm
 
@@ -204,8 +205,6 @@ def dplr_delta_rule(
     batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]
     keys = (*batch, T, d_k)
     arrays = [inputs.to_work_dtype(x) for x in (q, k, v)]
-    if scale != 1.0:
-        arrays[0] = arrays[0] * scale
     arrays += [_check_vectors(inputs, x, keys, name) for name, x in (("a", a), ("b", b))]
     g = check_log_decay(inputs, log_decay, (*batch, T, 1), channels=d_k)
     if g is not None:
@@ -217,7 +216,7 @@ def dplr_delta_rule(
         inputs,
         layout,
         arrays,
-        _algorithm(xp, method, chunk_size),
+        _algorithm(xp, method, chunk_size, scale),
         length=T,
         state_shape=(d_k, d_v),
         initial_state=initial_state,

@@ -120,12 +120,13 @@ def test_matches_reference(backend, rng, method, gate, groups, qk_l2norm, scale)
 @pytest.mark.parametrize("chunk_size", [1, 3, 8, 64])
 @pytest.mark.parametrize("gate", ["token", "channel"])
 def test_any_chunk_size_and_blocks(rng, monkeypatch, chunk_size, gate):
-    """Chunk lengths that are not powers of two are rounded up; blocks of one chunk too."""
+    """Chunk lengths that are not powers of two are rounded up; blocks of one chunk too, each
+    scaling its own queries."""
     monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", 8)
     q, k, v, beta, g = grouped_inputs(rng, 2, gate, length=37)
-    want, want_state = reference(q, k, v, beta, g)
+    want, want_state = reference(q, k, v, beta, g, scale=0.35)
     out, state = delta_rule_attention(
-        q, k, v, beta, log_decay=g, chunk_size=chunk_size, return_state=True
+        q, k, v, beta, log_decay=g, chunk_size=chunk_size, scale=0.35, return_state=True
     )
     np.testing.assert_allclose(out, want, atol=ATOL64, rtol=0)
     np.testing.assert_allclose(state, want_state, atol=ATOL64, rtol=0)

@@ -153,6 +153,24 @@ def test_split_and_resume(backend, rng, first, second):
 
 
 @pytest.mark.parametrize("decay", ["per_token", "per_channel"])
+def test_blocks_of_one_chunk_each_scale_their_queries(rng, monkeypatch, decay):
+    """Eager backends walk the chunks in blocks (here one chunk each, ``BLOCK_ROWS`` small);
+    each block scales its own queries, with a state carried across blocks."""
+    import polylin._dplr
+
+    monkeypatch.setattr(polylin._dplr, "BLOCK_ROWS", 1)
+    q, k, v, a, b, log_decay = make_inputs(rng, decay=decay)
+    S0 = rng.standard_normal((*LEAD, D_K, D_V))
+    want, want_state = reference(q, k, v, a, b, log_decay, state=S0, scale=0.5)
+    out, state = dplr_delta_rule(
+        q, k, v, a, b, log_decay=log_decay, scale=0.5, chunk_size=CHUNK, initial_state=S0,
+        return_state=True,
+    )  # fmt: skip
+    close(Backend.NUMPY, out, want)
+    close(Backend.NUMPY, state, want_state)
+
+
+@pytest.mark.parametrize("decay", ["per_token", "per_channel"])
 def test_step_continues_a_chunked_prefill(backend, rng, decay):
     q, k, v, a, b, log_decay = make_inputs(rng, decay=decay)
     want, want_state = reference(q, k, v, a, b, log_decay, scale=0.7)
