@@ -88,8 +88,7 @@ def delta_recurrent(
 #: CPU backends: the chunks' C x C intermediates (scores, triangular inverse, decays) of one
 #: block stay in cache instead of being allocated at the size of the whole sequence, and each
 #: thread gets a share of every operation large enough to pay for the split. Measured on
-#: PyTorch CPU (d = 64 and 128, C = 64, float32, 1, 2 and 4 threads): see
-#: ``docs/delta_rule.md``.
+#: PyTorch CPU by ``benchmarks/blocks.py``: see ``docs/performance.md``, "Blocks and threads".
 BLOCK_ROWS = 4096
 
 

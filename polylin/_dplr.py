@@ -140,7 +140,8 @@ def dplr_quadratic(
 #: Rows (batch x tokens) per block of chunks and per thread (``_policy.cpu_threads``) on eager
 #: CPU backends: the chunks' C x C intermediates of one block (the four matrices, the inverse,
 #: each level's blocks) stay in cache instead of being allocated at the size of the whole
-#: sequence (as the delta rule's chunked form does; measured in ``benchmarks/dplr.py``).
+#: sequence (as the delta rule's chunked form does; ``docs/performance.md``, "Blocks and
+#: threads").
 BLOCK_ROWS = 4096
 
 
