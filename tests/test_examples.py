@@ -34,6 +34,7 @@ import generate_numpy  # noqa: E402
 TINY = ["--batch", "4", "--context", "24", "--d-model", "16", "--heads", "2", "--layers", "1"]
 TINY += ["--threads", "1", "--lr", "1e-2"]
 TINY_STEPS = 8
+GDN_STEPS = 12
 
 
 def run_script(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -110,11 +111,16 @@ def test_numpy_generation_reproduces_the_sample_without_torch(torch_run: Path, t
 
 @pytest.fixture(scope="module")
 def gdn_run(tmp_path_factory) -> Path:
-    """A tiny training run of char_lm_torch.py --layer gated-deltanet: its output directory."""
+    """A tiny training run of char_lm_torch.py --layer gated-deltanet: its output directory.
+
+    Twelve steps, not eight: the training text is the documentation, so every edit of a page
+    moves the loss curve, and in eight steps this model's loss fell by 0.30-0.41 from one
+    version of the pages to the next (0.2987 once, against the 0.3 it must learn); in twelve
+    by 0.54."""
     pytest.importorskip("torch")
     out = tmp_path_factory.mktemp("gdn_run")
     done = run_script(
-        "char_lm_torch.py", "--steps", TINY_STEPS, "--out", out, "--layer", "gated-deltanet",
+        "char_lm_torch.py", "--steps", GDN_STEPS, "--out", out, "--layer", "gated-deltanet",
         *TINY,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
