@@ -218,7 +218,7 @@ def check_peer(name: str, fn: Callable[..., torch.Tensor], length: int = 128, d:
 
 
 #: The peers' sizes (``--peers T:d[:kinds]``): both gates at T = 4096, d = 64; the scalar gate
-#: (GDN) also at T = 16384 and d = 128. The KDA peers take 15-100x polylin's time, which makes
+#: (GDN) also at T = 16384 and d = 128. The KDA peers take 11-100x polylin's time, which makes
 #: them minutes per call at the larger sizes.
 PEER_SIZES = ("4096:64", "16384:64:gdn", "4096:128:gdn")
 
