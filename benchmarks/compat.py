@@ -9,9 +9,10 @@ Two parts, float32, default threads:
   timed on transformers' pure-PyTorch fallback kernels (``use_transformers_fallback``) and on
   polylin (``use_polylin``), alternating: prefill (``model(ids)`` under ``no_grad``) at each
   length; greedy decoding per token with the model's cache (after a 16-token prompt,
-  ``generate`` of 33 tokens less ``generate`` of 1, divided by 32: the prompt's prefill is left
-  out); forward + backward of a training step (``loss.backward()``) at the first length. The
-  logits are checked to agree (1e-4 relative) before timing.
+  ``generate`` of 33 tokens less ``generate`` of 1, divided by 32, the fastest of at least 3
+  runs of each: the prompt's prefill is left out); forward + backward of a training step
+  (``loss.backward()``) at the first length. The logits are checked to agree (1e-4 relative)
+  before timing.
 - **ops**: each ``polylin.compat.fla`` chunk function against fla's own pure-PyTorch naive form
   of the same op (``fla/ops/<family>/naive.py``, loaded by path), B = 1, H = 4, d = 64, at the
   first length; outputs checked equal (float32 round-off) first.
@@ -79,8 +80,13 @@ def models(hidden: int, layers: int) -> dict[str, Callable[[], Any]]:
     return {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear}
 
 
-def alternate(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds of each call, the calls timed in alternation (one warm-up each)."""
+def alternate(
+    calls: dict[str, Callable[[], Any]],
+    repeats: int,
+    stat: Callable[[list[float]], float] = statistics.median,
+) -> dict[str, float]:
+    """``stat`` (the median) of each call's seconds, the calls timed in alternation (one
+    warm-up each)."""
     for call in calls.values():
         call()
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -89,7 +95,7 @@ def alternate(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, fl
             start = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: stat(t) for name, t in times.items()}
 
 
 MEASUREMENTS = ("prefill", "decode", "train")
@@ -142,12 +148,14 @@ def bench_models(
                 )  # fmt: skip
 
         if "decode" in measurements:
-            # generate(1 + new) - generate(1): the new tokens' steps, without the prompt's prefill
+            # generate(1 + new) - generate(1): the new tokens' steps, without the prompt's
+            # prefill. The fastest of at least 3 runs of each: a stall in one generate(1)
+            # longer than 32 steps would make a difference of medians of 1 run negative.
             calls = {
                 f"{k} {n}": functools.partial(generate, m, n)
                 for k, m in pair.items() for n in (1, 1 + new)
             }  # fmt: skip
-            t = alternate(calls, repeats)
+            t = alternate(calls, max(3, repeats), stat=min)
             per_token = {k: (t[f"{k} {1 + new}"] - t[f"{k} 1"]) / new for k in pair}
             rows.append(row(name, "decode per token", 16, per_token))
             progress(rows[-1])
