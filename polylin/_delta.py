@@ -20,9 +20,9 @@ No exponent is formed as a difference of cumulative sums: ``P``, ``A`` and every
 built by :func:`polylin._intra_chunk.intra_chunk` from products of per-token factors
 ``exp(g_t) <= 1`` (a scalar gate's ``P`` from segment sums of the gate), so a ``-inf`` gate is
 an exact reset and float32 keeps its accuracy at strong gates. ``T = (I + A)^{-1}`` comes from
-the same levels (one quadrant per level feeds the scores and the inversion); then
-``U = T diag(beta) V`` and ``Wk = -T diag(beta) (K * exp(b))`` give ``W = U + Wk S``, and only
-two small matmuls per chunk remain in the sequential loop over chunks.
+the same levels (one quadrant per level feeds the scores and the inversion). The sequential
+loop over chunks computes ``W = T (diag(beta) V - diag(beta) (K * exp(b)) S)``, ``T`` applied
+once to the whole right-hand side, and the state update.
 
 Every function here takes ``xp`` and arrays already validated, masked (masked tokens have
 ``beta = 0``, ``g = 0`` and zero ``q, k, v``) and in the work dtype; leading dimensions
@@ -126,7 +126,8 @@ def delta_chunked(
     chunk = 1 << (min(chunk_size, T) - 1).bit_length()
     n_chunks = -(-T // chunk)
     per_block = n_chunks
-    if eager_cpu(xp, device(k)):
+    eager = eager_cpu(xp, device(k))
+    if eager:
         rows = BLOCK_ROWS * cpu_threads(xp)
         per_block = max(1, rows // (chunk * max(1, math.prod(S.shape[:-2]))))
     n_blocks = -(-n_chunks // per_block)
@@ -147,29 +148,30 @@ def delta_chunked(
         # them at every use, and the key reshapes of the levels too).
         blocks = [[dense(xp, x) for x in block[:2]] + list(block[2:]) for block in blocks]
     causal = causal_mask(xp, chunk, chunk, device(k))
-    outputs = []
+    pieces: list[Any] = []  # (..., chunks, C, d_v) each: all joined by one concatenation
     for block in blocks:
         Q, K, *rest = block
         if qk_l2norm:
             Q, K = l2_normalize(xp, Q), l2_normalize(xp, K)
         if scale != 1.0:
             Q = Q * scale
-        out, S = _block(xp, Q, K, *rest, S=S, causal=causal)
-        outputs.append(out)
-    out = outputs[0] if n_blocks == 1 else xp.stack(outputs, axis=-4)
-    lead = out.shape[: -3 if n_blocks == 1 else -4]
-    out = xp.reshape(out, (*lead, padded, out.shape[-1]))
+        outputs, S = _block(xp, Q, K, *rest, S=S, causal=causal, in_loop=eager)
+        pieces.extend(outputs)
+    out = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-3)
+    out = xp.reshape(out, (*out.shape[:-3], padded, out.shape[-1]))
     return (out if padded == T else out[..., :T, :]), S
 
 
 def _block(
-    xp: Any, Q: Any, K: Any, V: Any, B: Any, *rest: Any, S: Any, causal: Any
-) -> tuple[Any, Any]:
-    """Outputs ``(..., N, C, d_v)`` of N consecutive chunks from the state ``S``, and the state
-    after them. ``Q, K, V, B`` (and the log decays, if any) are ``(..., N, C, d)``.
+    xp: Any, Q: Any, K: Any, V: Any, B: Any, *rest: Any, S: Any, causal: Any, in_loop: bool
+) -> tuple[list[Any], Any]:
+    """Outputs of N consecutive chunks from the state ``S``, and the state after them: the
+    outputs as pieces ``(..., chunks, C, d_v)`` in order (one per chunk when ``in_loop``, else
+    one of all N). ``Q, K, V, B`` (and the log decays, if any) are ``(..., N, C, d)``.
 
     The rows ``-diag(beta) K`` enter the levels negated once: the levels then build
-    ``(I + A)^{-1}`` directly, and ``Wk = T (-diag(beta) K exp(b))`` needs no negation.
+    ``(I + A)^{-1}`` directly, and their decayed rows ``-diag(beta) K exp(b)`` enter the
+    right-hand side of ``W`` without another negation.
     """
     G = rest[0] if rest else None
     rows = K * (-B)  # negating beta (..., C, 1), not the keys
@@ -185,23 +187,34 @@ def _block(
         blocks = intra_chunk(xp, K, G, [(Q, SCORES), (rows, SOLVE)])
         scores, queries = blocks.matrices[0], blocks.rows[0]
     inverse, keys_rhs = blocks.matrices[-1], blocks.rows[-1]
-    U = matmul(xp, inverse, V * B)
-    Wk = matmul(xp, inverse, keys_rhs)
     # The state recurrence across chunks is sequential: S_n feeds W_n. Each input is unstacked
-    # once (one op for autograd); per chunk only W_n = U_n + Wk_n S_n and the state update remain.
-    Us, Wks, Ks = (unstack(xp, x, axis=-3) for x in (U, Wk, xp.matrix_transpose(blocks.keys)))
+    # once (one op for autograd); per chunk W_n = T_n (diag(beta) V_n + keys_rhs_n S_n) and the
+    # state update remain (T applied once, to the sum, not to each term before the loop).
+    Ts, Us, Wks, Ks = (
+        unstack(xp, x, axis=-3)
+        for x in (inverse, V * B, keys_rhs, xp.matrix_transpose(blocks.keys))
+    )
     decays = (
         [None] * len(Us)
         if blocks.whole is None
         else unstack(xp, xp.matrix_transpose(blocks.whole), axis=-3)  # (..., w, 1) each
     )
-    states, corrections = [], []
+    # Read-out: on eager CPU backends each chunk's O_n = Q_n S_n + P_n W_n in the loop, while
+    # S_n and W_n are in cache (no stacked copy of the states, d_k x d_v per chunk); elsewhere
+    # two batched products after it (fewer, larger operations; a graph that grows less with T).
+    Qs, Ps = (unstack(xp, x, axis=-3) for x in (queries, scores)) if in_loop else ((), ())
+    outputs, states, corrections = [], [], []
     for n in range(len(Us)):
-        states.append(S)
-        W = Us[n] + matmul(xp, Wks[n], S)
-        corrections.append(W)
+        W = matmul(xp, Ts[n], Us[n] + matmul(xp, Wks[n], S))
+        if in_loop:
+            outputs.append((matmul(xp, Qs[n], S) + matmul(xp, Ps[n], W))[..., None, :, :])
+        else:
+            states.append(S)
+            corrections.append(W)
         S_kept = S if decays[n] is None else S * decays[n]
         S = S_kept + matmul(xp, Ks[n], W)
+    if in_loop:
+        return outputs, S
     starts = xp.stack(states, axis=-3)  # (..., N, d_k, d_v): the state before each chunk
     W = xp.stack(corrections, axis=-3)  # (..., N, C, d_v)
-    return matmul(xp, queries, starts) + matmul(xp, scores, W), S
+    return [matmul(xp, queries, starts) + matmul(xp, scores, W)], S
