@@ -190,12 +190,12 @@ def _block(
     # The state recurrence across chunks is sequential: S_n feeds W_n. Each input is unstacked
     # once (one op for autograd); per chunk W_n = T_n (diag(beta) V_n + keys_rhs_n S_n) and the
     # state update remain (T applied once, to the sum, not to each term before the loop).
-    Ts, Us, Wks, Ks = (
+    Ts, BVs, Rs, Ks = (
         unstack(xp, x, axis=-3)
         for x in (inverse, V * B, keys_rhs, xp.matrix_transpose(blocks.keys))
     )
     decays = (
-        [None] * len(Us)
+        [None] * len(Ts)
         if blocks.whole is None
         else unstack(xp, xp.matrix_transpose(blocks.whole), axis=-3)  # (..., w, 1) each
     )
@@ -204,8 +204,8 @@ def _block(
     # two batched products after it (fewer, larger operations; a graph that grows less with T).
     Qs, Ps = (unstack(xp, x, axis=-3) for x in (queries, scores)) if in_loop else ((), ())
     outputs, states, corrections = [], [], []
-    for n in range(len(Us)):
-        W = matmul(xp, Ts[n], Us[n] + matmul(xp, Wks[n], S))
+    for n in range(len(Ts)):
+        W = matmul(xp, Ts[n], BVs[n] + matmul(xp, Rs[n], S))
         if in_loop:
             outputs.append((matmul(xp, Qs[n], S) + matmul(xp, Ps[n], W))[..., None, :, :])
         else:
