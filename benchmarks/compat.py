@@ -12,7 +12,9 @@ Two parts, float32, default threads:
   ``generate`` of 33 tokens less ``generate`` of 1, divided by 32, the fastest of at least 3
   runs of each: the prompt's prefill is left out); forward + backward of a training step
   (``loss.backward()``) at the first length. The logits are checked to agree (1e-4 relative)
-  before timing.
+  before timing. ``bound``: the same prefill and training step with the chunked kernel
+  replaced by a stand-in that takes next to no time (:func:`no_time_kernel`), against
+  transformers' fallback: the most any kernel could gain inside these models.
 - **ops**: each ``polylin.compat.fla`` chunk function against fla's own pure-PyTorch naive form
   of the same op (``fla/ops/<family>/naive.py``, loaded by path), B = 1, H = 4, d = 64, at the
   first length; outputs checked equal (float32 round-off) first.
@@ -30,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,7 +101,36 @@ def alternate(
     return {name: stat(t) for name, t in times.items()}
 
 
-MEASUREMENTS = ("prefill", "decode", "train")
+MEASUREMENTS = ("prefill", "decode", "train", "bound")
+
+
+def no_time_kernel(query: Any, key: Any, value: Any, g: Any, beta: Any, **options: Any) -> Any:
+    """A stand-in for a chunked kernel (transformers' signature) that takes next to no time.
+
+    Its output has the kernel's shape and depends on every input (so the backward still runs
+    through all of the layer's projections), and its state is zeros of the state's shape: a
+    model timed with it shows what the rest of the model costs.
+    """
+    touch = (query.sum() + key.sum() + g.sum()) * 0.0
+    out = value * beta[..., None] + touch
+    state = None
+    if options.get("output_final_state"):
+        b, _, heads, d_v = value.shape
+        state = value.new_zeros((b, heads, query.shape[-1], d_v))
+    return out, state
+
+
+def with_no_time_kernel(model: Any) -> Any:
+    """``model`` (converted in place) with its linear-attention layers' chunked kernel
+    replaced by :func:`no_time_kernel` (the recurrent one, for decoding, is left as it is)."""
+    from polylin.compat.transformers import LAYER_CLASSES, _rebind
+
+    for layer in model.modules():
+        kernels = LAYER_CLASSES.get(type(layer).__name__)
+        if kernels is not None:
+            chunked = {name: no_time_kernel for name in kernels if "chunk" in name}
+            layer.forward = types.MethodType(_rebind(type(layer).forward, chunked), layer)
+    return model
 
 
 def bench_models(
@@ -118,6 +150,7 @@ def bench_models(
         torch.manual_seed(0)
         reference = use_transformers_fallback(build().float().eval())
         model = use_polylin(copy.deepcopy(reference))
+        stand_in = with_no_time_kernel(copy.deepcopy(reference))
         pair = {"transformers": reference, "polylin": model}
         ids = torch.randint(3, VOCAB, (1, lengths[0]), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
@@ -137,6 +170,11 @@ def bench_models(
             t = alternate({k: functools.partial(prefill, m) for k, m in pair.items()}, repeats)
             rows.append(row(name, "prefill", length, t))
             progress(rows[-1])
+            if "bound" in measurements:
+                bound = {"transformers": reference, "no-time kernel": stand_in}
+                t = alternate({k: functools.partial(prefill, m) for k, m in bound.items()}, repeats)
+                rows.append(row(name, "prefill, no-time kernel", length, t))
+                progress(rows[-1])
         prompt = ids[:, :16]
         new = 32
 
@@ -159,7 +197,7 @@ def bench_models(
             per_token = {k: (t[f"{k} {1 + new}"] - t[f"{k} 1"]) / new for k in pair}
             rows.append(row(name, "decode per token", 16, per_token))
             progress(rows[-1])
-        if "train" not in measurements:
+        if "train" not in measurements and "bound" not in measurements:
             continue
         length = train_length or lengths[0]
         ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(2))
@@ -168,16 +206,27 @@ def bench_models(
             m.zero_grad()
             m(ids, labels=ids).loss.backward()
 
-        for m in pair.values():
+        timed = {} if "train" not in measurements else dict(pair)
+        if "bound" in measurements:
+            timed |= {"transformers": reference, "no-time kernel": stand_in}
+        for m in timed.values():
             m.train()
-        t = alternate({k: functools.partial(train, m) for k, m in pair.items()}, repeats)
-        rows.append(row(name, "forward+backward", length, t))
-        progress(rows[-1])
+        t = alternate({k: functools.partial(train, m) for k, m in timed.items()}, repeats)
+        for what, ours in (
+            ("forward+backward", "polylin"),
+            ("forward+backward, no-time kernel", "no-time kernel"),
+        ):
+            if ours in t:
+                seconds = {"transformers": t["transformers"], ours: t[ours]}
+                rows.append(row(name, what, length, seconds))
+                progress(rows[-1])
     return rows
 
 
 def row(model: str, what: str, length: int, t: dict[str, float]) -> dict:
-    base, ours = ("transformers", "polylin") if "transformers" in t else ("naive", "compat")
+    """A result: ``t`` holds the seconds of the baseline (transformers or fla's naive form,
+    first) and of the other side (polylin, its compat twin or the no-time kernel)."""
+    base, ours = t
     return {
         "model": model, "what": what, "T": length, "seconds": t,
         "speedup": t[base] / t[ours],
@@ -301,9 +350,10 @@ def markdown(result: dict) -> dict[str, str]:
     for r in result["rows"]:
         if "transformers" in r["seconds"]:
             t = r["seconds"]
+            other = t.get("polylin", t.get("no-time kernel"))
             models.append(
                 f"| {r['model']} | {r['what']} | {r['T']} | {t['transformers']:.4g} | "
-                f"{t['polylin']:.4g} | {r['speedup']:.2f}x |"
+                f"{other:.4g} | {r['speedup']:.2f}x |"
             )
         else:
             t = r["seconds"]
@@ -311,6 +361,12 @@ def markdown(result: dict) -> dict[str, str]:
                 f"| `{r['model']}` | `{r['naive']}` | {r['T']} | {t['naive']:.4g} | "
                 f"{t['compat']:.4g} | {r['speedup']:.2f}x |"
             )
+    if any("no-time kernel" in r["seconds"] for r in result["rows"]):
+        models.append(
+            '\n"no-time kernel": the model with its chunked linear-attention kernel replaced by a'
+            " stand-in that takes next to no time (`benchmarks/compat.py`, `no_time_kernel`): the"
+            " speed-up no kernel can pass inside these models."
+        )
     note = (
         f"\ntorch {result['torch']}, transformers {result['transformers']}, fla "
         f"{result['fla']}, {result['threads']} threads; `{result['command']}`.\n"

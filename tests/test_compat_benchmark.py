@@ -23,6 +23,8 @@ def test_quick_run_records_every_row(tmp_path):
     for model in ("qwen3_next", "kimi_linear"):
         for what in ("prefill", "decode per token", "forward+backward"):
             assert (model, what) in rows
+            if what != "decode per token":  # the same step with a kernel that takes no time
+                assert (model, f"{what}, no-time kernel") in rows
     ops = {r["model"] for r in result["rows"] if r["what"] == "forward"}
     assert ops == {f"fla.chunk_{name}" for name in compat.OPS}
     for r in result["rows"]:
@@ -30,4 +32,17 @@ def test_quick_run_records_every_row(tmp_path):
     assert result["transformers"] and result["fla"] == "0.6.0"
     tables = (tmp_path / "compat_models.md").read_text(), (tmp_path / "compat_ops.md").read_text()
     assert "| qwen3_next | prefill | 64 |" in tables[0]
+    assert "| kimi_linear | forward+backward, no-time kernel | 64 |" in tables[0]
     assert "`fla.chunk_gated_delta_rule` | `naive_chunk_gated_delta_rule`" in tables[1]
+
+
+def test_no_time_kernel_has_the_kernels_shapes_and_gradients():
+    torch = pytest.importorskip("torch")
+    q, k = (torch.randn(1, 5, 2, 8, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 5, 4, 6, requires_grad=True)
+    g, beta = (torch.rand(1, 5, 4, requires_grad=True) for _ in range(2))
+    out, state = compat.no_time_kernel(q, k, v, g=g, beta=beta, output_final_state=True)
+    assert out.shape == v.shape and state.shape == (1, 4, 8, 6) and not state.any()
+    out.sum().backward()
+    assert all(x.grad is not None for x in (q, k, v, g, beta))
+    assert compat.no_time_kernel(q, k, v, g=g, beta=beta)[1] is None
