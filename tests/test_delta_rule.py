@@ -577,7 +577,8 @@ def test_seq_axis_with_cu_seqlens_and_bad_ranks(rng):
 def test_blocks_grow_with_torch_threads(form, monkeypatch):
     """On PyTorch the delta rules' blocks hold a budget per thread (``_policy.cpu_threads``):
     three threads walk the sequence in a third of the blocks of one thread, to the same
-    result."""
+    result. The delta rule reads its outputs inside the loop over chunks on one thread and in
+    two batched products after it on more: the two read-outs agree."""
     torch = pytest.importorskip("torch")
     import polylin._dplr
 
@@ -587,7 +588,9 @@ def test_blocks_grow_with_torch_threads(form, monkeypatch):
     }[form]
     blocks = []
     inner = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **kw: blocks.append(1) or inner(*a, **kw))
+    monkeypatch.setattr(
+        module, name, lambda *a, **kw: blocks.append(kw.get("in_loop")) or inner(*a, **kw)
+    )
     monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", 16)
     monkeypatch.setattr(polylin._dplr, "BLOCK_ROWS", 16)
     g = torch.Generator().manual_seed(0)
@@ -601,14 +604,17 @@ def test_blocks_grow_with_torch_threads(form, monkeypatch):
         return polylin.dplr_delta_rule(q, k, v, -k * beta, k * beta, chunk_size=8)
 
     before = torch.get_num_threads()
-    results, counts = [], []
+    results, counts, read_outs = [], [], []
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
             blocks.clear()
             results.append(call())
             counts.append(len(blocks))
+            read_outs.append(set(blocks))
     finally:
         torch.set_num_threads(before)
     assert counts == [6, 2]  # 96 tokens in blocks of 16, then of 48
+    if form == "delta":
+        assert read_outs == [{True}, {False}]  # in the loop on one thread only
     torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-12)
