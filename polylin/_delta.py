@@ -156,9 +156,7 @@ def delta_chunked(
             Q, K = l2_normalize(xp, Q), l2_normalize(xp, K)
         if scale != 1.0:
             Q = Q * scale
-        outputs, S = _block(
-            xp, Q, K, *rest, S=S, causal=causal, in_loop=eager and threads == 1
-        )
+        outputs, S = _block(xp, Q, K, *rest, S=S, causal=causal, in_loop=eager and threads == 1)
         pieces.extend(outputs)
     out = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-3)
     out = xp.reshape(out, (*out.shape[:-3], padded, out.shape[-1]))
