@@ -12,9 +12,10 @@ Two parts, float32, default threads:
   ``generate`` of 33 tokens less ``generate`` of 1, divided by 32, the fastest of at least 3
   runs of each: the prompt's prefill is left out); forward + backward of a training step
   (``loss.backward()``) at the first length. The logits are checked to agree (1e-4 relative)
-  before timing. ``bound``: the same prefill and training step with the chunked kernel
-  replaced by a stand-in that takes next to no time (:func:`no_time_kernel`), against
-  transformers' fallback: the most any kernel could gain inside these models.
+  before timing. ``bound`` (on by default) adds to the prefill and the training step a third
+  model in the same alternation, the same one with its chunked kernel replaced by a stand-in
+  that takes next to no time (:func:`no_time_kernel`): against transformers' fallback, the most
+  any kernel could gain inside these models.
 - **ops**: each ``polylin.compat.fla`` chunk function against fla's own pure-PyTorch naive form
   of the same op (``fla/ops/<family>/naive.py``, loaded by path), B = 1, H = 4, d = 64, at the
   first length; outputs checked equal (float32 round-off) first.
@@ -150,8 +151,10 @@ def bench_models(
         torch.manual_seed(0)
         reference = use_transformers_fallback(build().float().eval())
         model = use_polylin(copy.deepcopy(reference))
-        stand_in = with_no_time_kernel(copy.deepcopy(reference))
         pair = {"transformers": reference, "polylin": model}
+        timed = dict(pair)  # prefill and training: also the no-time kernel, in alternation
+        if "bound" in measurements:
+            timed["no-time kernel"] = with_no_time_kernel(copy.deepcopy(reference))
         ids = torch.randint(3, VOCAB, (1, lengths[0]), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             want, got = reference(ids[:, :256]).logits, model(ids[:, :256]).logits
@@ -167,14 +170,8 @@ def bench_models(
                 with torch.no_grad():
                     return m(ids).logits
 
-            t = alternate({k: functools.partial(prefill, m) for k, m in pair.items()}, repeats)
-            rows.append(row(name, "prefill", length, t))
-            progress(rows[-1])
-            if "bound" in measurements:
-                bound = {"transformers": reference, "no-time kernel": stand_in}
-                t = alternate({k: functools.partial(prefill, m) for k, m in bound.items()}, repeats)
-                rows.append(row(name, "prefill, no-time kernel", length, t))
-                progress(rows[-1])
+            t = alternate({k: functools.partial(prefill, m) for k, m in timed.items()}, repeats)
+            rows += against_transformers(name, "prefill", length, t)
         prompt = ids[:, :16]
         new = 32
 
@@ -197,7 +194,7 @@ def bench_models(
             per_token = {k: (t[f"{k} {1 + new}"] - t[f"{k} 1"]) / new for k in pair}
             rows.append(row(name, "decode per token", 16, per_token))
             progress(rows[-1])
-        if "train" not in measurements and "bound" not in measurements:
+        if "train" not in measurements:
             continue
         length = train_length or lengths[0]
         ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(2))
@@ -206,20 +203,23 @@ def bench_models(
             m.zero_grad()
             m(ids, labels=ids).loss.backward()
 
-        timed = {} if "train" not in measurements else dict(pair)
-        if "bound" in measurements:
-            timed |= {"transformers": reference, "no-time kernel": stand_in}
         for m in timed.values():
             m.train()
         t = alternate({k: functools.partial(train, m) for k, m in timed.items()}, repeats)
-        for what, ours in (
-            ("forward+backward", "polylin"),
-            ("forward+backward, no-time kernel", "no-time kernel"),
-        ):
-            if ours in t:
-                seconds = {"transformers": t["transformers"], ours: t[ours]}
-                rows.append(row(name, what, length, seconds))
-                progress(rows[-1])
+        rows += against_transformers(name, "forward+backward", length, t)
+    return rows
+
+
+def against_transformers(model: str, what: str, length: int, t: dict[str, float]) -> list[dict]:
+    """The rows of one measurement: polylin and (if timed) the no-time kernel, each against
+    transformers' time of the same alternation."""
+    rows = []
+    for other, label in (("polylin", what), ("no-time kernel", f"{what}, no-time kernel")):
+        if other in t:
+            rows.append(
+                row(model, label, length, {"transformers": t["transformers"], other: t[other]})
+            )
+            progress(rows[-1])
     return rows
 
 
