@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from ._decay import check_log_decay as _check_log_decay
 from ._decay import log_decay_values
 from ._layout import SequenceLayout
-from ._policy import is_array, is_tracer
+from ._policy import is_array, is_tracer, nonpositive
 from ._prepare import finish
 from ._prepared import PER_CALL
 from ._validation import (
@@ -36,10 +36,12 @@ __all__ = [
     "StepPlan",
     "check_log_decay",
     "check_scale",
+    "log_decay_shape",
     "planned_decay",
     "run_sequences",
     "step_decay",
     "step_state",
+    "used_as_given",
 ]
 
 #: ``algorithm(arrays, S) -> (out, S)``: one form on validated arrays (module docstring).
@@ -102,6 +104,27 @@ class StepPlan(NamedTuple):
     decay: Any  # exp(log_decay) of a number log_decay, None, or PER_CALL for an array
     coefficients: tuple  # per coefficient: its array for a number, None for an array
     qk_l2norm: bool = False
+    #: Every per-call array is used as given: it is in the work dtype and has the shape its
+    #: conversion gives (no cast, reshape or broadcast), as in a model's decoding loop.
+    as_given: bool = False
+
+
+def used_as_given(inputs: AttentionInputs, *arrays: tuple[Any, tuple | None]) -> bool:
+    """:attr:`StepPlan.as_given` for checked ``(argument, converted shape)`` pairs (``None``
+    for a shape that a conversion changes); arguments that are not arrays are converted once,
+    in the plan, and do not count."""
+    return inputs.dtype == inputs.work_dtype and all(
+        shape is not None and tuple(x.shape) == shape for x, shape in arrays if is_array(x)
+    )
+
+
+def log_decay_shape(log_decay: Any, per_token: tuple) -> tuple | None:
+    """The shape that :func:`step_decay` gives a checked ``log_decay`` of one step
+    (``per_token``: the shape of a per-token gate, ``(..., 1)``) if it is an array that needs
+    no reshape; else ``None``."""
+    if not is_array(log_decay) or log_decay.ndim == 0:
+        return None
+    return (*per_token[:-1], log_decay.shape[-1])
 
 
 def planned_decay(inputs: AttentionInputs, log_decay: Any, g: Any | None) -> Any:
@@ -117,6 +140,8 @@ def step_decay(plan: StepPlan, log_decay: Any) -> Any | None:
     if plan.decay is not PER_CALL:
         return plan.decay
     inputs = plan.inputs
+    if plan.as_given:
+        return inputs.xp.exp(nonpositive(inputs.xp, log_decay))
     per_token = (*plan.state_shape[:-2], 1)
     g = _explicit_channels(inputs, log_decay_values(inputs, log_decay, explicit=1), per_token)
     return inputs.xp.exp(g)

@@ -51,6 +51,7 @@ __all__ = [
     "unsupported_array",
     "vector_times_matrix",
     "with_derivatives_of",
+    "zero_of",
 ]
 
 #: Default added to the normalizer of every normalized entry point.
@@ -93,6 +94,23 @@ def _is_numpy_array(x: Any) -> bool:
     """Whether ``x`` is exactly a ``numpy.ndarray`` (not a subclass, not a NumPy scalar)."""
     numpy = sys.modules.get("numpy")
     return numpy is not None and type(x) is numpy.ndarray
+
+
+def zero_of(xp: Any, x: Any) -> Any:
+    """A 0-d zero of ``x``'s dtype and device. NumPy: one read-only zero per dtype, made once
+    (allocating it took longer than the ``minimum`` it serves in a decoding step's feature map).
+    """
+    if not _is_numpy_array(x):
+        return xp.zeros((), dtype=x.dtype, device=device(x))
+    zero = _NUMPY_ZEROS.get(x.dtype)
+    if zero is None:
+        zero = xp.zeros((), dtype=x.dtype)
+        zero.flags.writeable = False
+        _NUMPY_ZEROS[x.dtype] = zero
+    return zero
+
+
+_NUMPY_ZEROS: dict[Any, Any] = {}  # dtype -> read-only 0-d zero (see zero_of)
 
 
 def array_namespace(x: Any) -> Any:

@@ -17,10 +17,12 @@ from ._entry import (
     StepPlan,
     check_log_decay,
     check_scale,
+    log_decay_shape,
     planned_decay,
     run_sequences,
     step_decay,
     step_state,
+    used_as_given,
 )
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._ops import l2_normalize
@@ -335,6 +337,10 @@ def _plan_step(
     scale = _check_scale_and_norm(scale, qk_l2norm)
     token_shape = tuple(q_t.shape)
     check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state", token_shape=token_shape)
+    per_token = (*batch, 1)
+    as_given = used_as_given(
+        inputs, (beta_t, per_token), (log_decay, log_decay_shape(log_decay, per_token))
+    )
     plan = StepPlan(
         inputs,
         scale,
@@ -342,6 +348,7 @@ def _plan_step(
         planned_decay(inputs, log_decay, g),
         (None if is_array(beta_t) else beta,),
         qk_l2norm,
+        as_given,
     )
     return plan, None
 
@@ -361,9 +368,14 @@ def _run_step(
     inputs = plan.inputs
     xp = inputs.xp
     (beta,) = plan.coefficients
-    if beta is None:
-        beta = coefficient_values(inputs, beta_t, (*plan.state_shape[:-2], 1))
-    q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
+    if plan.as_given:
+        q, k, v = q_t, k_t, v_t
+        if beta is None:
+            beta = beta_t
+    else:
+        if beta is None:
+            beta = coefficient_values(inputs, beta_t, (*plan.state_shape[:-2], 1))
+        q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
     if plan.qk_l2norm:
         q, k = l2_normalize(xp, q), l2_normalize(xp, k)
     o_t, S = delta_step(xp, q, k, v, beta, step_decay(plan, log_decay), step_state(plan, state))

@@ -18,10 +18,12 @@ from ._entry import (
     StepPlan,
     check_log_decay,
     check_scale,
+    log_decay_shape,
     planned_decay,
     run_sequences,
     step_decay,
     step_state,
+    used_as_given,
 )
 from ._layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, is_array
@@ -316,7 +318,16 @@ def _plan_step(
         _check_vectors(inputs, x, (*batch, d_k), name)
     g = check_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
     check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
-    plan = StepPlan(inputs, scale, (*batch, d_k, d_v), planned_decay(inputs, log_decay, g), ())
+    vectors = ((x, (*x.shape[:-1], d_k) if x.ndim else None) for x in (a_t, b_t))
+    log_decay_as_given = (log_decay, log_decay_shape(log_decay, (*batch, 1)))
+    plan = StepPlan(
+        inputs,
+        scale,
+        (*batch, d_k, d_v),
+        planned_decay(inputs, log_decay, g),
+        (),
+        as_given=used_as_given(inputs, *vectors, log_decay_as_given),
+    )
     return plan, None
 
 
@@ -334,9 +345,12 @@ def _run_step(
 ) -> tuple[Array, Array]:
     """:func:`dplr_delta_rule_step`'s arithmetic on arguments of the plan's signature."""
     inputs = plan.inputs
-    keys = plan.state_shape[:-1]
-    a, b = (_vector_values(inputs, x, keys) for x in (a_t, b_t))
-    q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
+    if plan.as_given:
+        q, k, v, a, b = q_t, k_t, v_t, a_t, b_t
+    else:
+        keys = plan.state_shape[:-1]
+        a, b = (_vector_values(inputs, x, keys) for x in (a_t, b_t))
+        q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
     if plan.scale != 1.0:
         q = q * plan.scale
     decay = step_decay(plan, log_decay)

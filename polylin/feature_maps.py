@@ -39,6 +39,7 @@ from ._policy import (
     native_elu_plus_one,
     outside_graph,
     stacked_qr,
+    zero_of,
 )
 from ._typing import Array
 
@@ -83,7 +84,7 @@ def _zero(xp: Any, x: Array) -> Array:
     An array, not the Python scalar ``0.0``: array-api-compat promotes a scalar through
     ``torch.result_type``, which ``torch.compile`` cannot trace (a graph break per call).
     """
-    return xp.zeros((), dtype=x.dtype, device=device(x))
+    return zero_of(xp, x)
 
 
 def elu_plus_one(x: Array, /) -> Array:

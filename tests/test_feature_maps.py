@@ -144,6 +144,18 @@ def test_features_non_negative(backend, name, rng):
             assert np.all(out > 0)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_numpy_maps_return_fresh_writable_arrays(dtype, rng):
+    """The zero the maps compare with is made once per dtype on NumPy: no output shares it,
+    and writing into an output changes no later result."""
+    x = rng.standard_normal((2, 5)).astype(dtype)
+    for phi in (elu_plus_one, relu, dpfp(1)):
+        first, want = phi(x), phi(x).copy()
+        assert first.dtype == dtype and first.flags.writeable
+        first[...] = 7.0
+        np.testing.assert_array_equal(phi(x), want)
+
+
 def test_identity_returns_its_input():
     x = np.arange(3.0)
     assert identity(x) is x

@@ -140,6 +140,71 @@ def test_prepare_dplr_step_equals_dplr_step(backend, rng, gate):
     assert_same(backend, got, want)
 
 
+def _delta_token(q, k, v, beta, g, S, scale):
+    """One token of the gated delta rule in float64, from its formula: ``S' = diag(exp(g)) S``,
+    ``S = S' + beta k (v - S'^T k)^T``, ``o = scale S^T q`` (``g`` per token or per channel,
+    values above 0 taken as 0)."""
+    S = np.exp(np.minimum(np.atleast_1d(g), 0.0))[..., :, None] * S
+    S = S + k[..., :, None] * (beta * (v - np.einsum("...k,...kv->...v", k, S)))[..., None, :]
+    return scale * np.einsum("...k,...kv->...v", q, S), S
+
+
+def _dplr_token(q, k, v, a, b, g, S, scale):
+    """One token of the generalized rule in float64: ``S = diag(exp(g)) S + b (a^T S) + k v^T``,
+    ``o = scale S^T q``."""
+    read = np.einsum("...k,...kv->...v", a, S)
+    S = np.exp(np.minimum(np.atleast_1d(g), 0.0))[..., :, None] * S
+    S = S + b[..., :, None] * read[..., None, :] + k[..., :, None] * v[..., None, :]
+    return scale * np.einsum("...k,...kv->...v", q, S), S
+
+
+#: Per-token coefficients and gates as a model passes them (their full shapes), broadcast from
+#: fewer dimensions, and as 0-d arrays: shapes for leading dimensions (2, 3).
+FORMS = {
+    "as given": {"beta": (2, 3, 1), "g": (2, 3, D_K), "a": (2, 3, D_K), "b": (2, 3, D_K)},
+    "broadcast": {"beta": (3, 1), "g": (1,), "a": (3, D_K), "b": (D_K,)},
+    "0-d": {"beta": (), "g": (), "a": (2, 3, D_K), "b": (1, D_K)},
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+@pytest.mark.parametrize("rule", ["delta", "dplr"])
+def test_every_form_of_the_per_token_arrays_matches_the_reference(
+    backend, rng, form, dtype, rule
+):
+    """The prepared steps use arrays of the full shape in the work dtype as given, and convert
+    the others at every call; both give a float64 reference's outputs and states."""
+    from .reference import rounded
+
+    shapes, scale = FORMS[form], 0.5
+    x = tokens(rng)
+    q, k, v = (rounded(x[name], dtype) for name in "qkv")
+    draws = {
+        "beta": rng.uniform(0.1, 0.9, (T, *shapes["beta"])),
+        "g": rng.uniform(-1.0, 0.2, (T, *shapes["g"])),  # values above 0 are taken as 0
+        "a": -0.5 * rng.uniform(0.0, 1.0, (T, *shapes["a"])),
+        "b": 0.5 * rng.uniform(0.0, 1.0, (T, *shapes["b"])),
+    }
+    names = ("beta", "g") if rule == "delta" else ("a", "b", "g")
+    per_token = [rounded(draws[name], dtype) for name in names]
+    if rule == "delta":
+        prepared, token = prepare_delta_rule_step(scale=scale), _delta_token
+    else:
+        prepared, token = prepare_dplr_step(scale=scale), _dplr_token
+    # float16: one rounding of outputs of size ~1; the state accumulates in float32.
+    atol, state_atol = (1e-12, 1e-12) if dtype == "float64" else (4e-3, 1e-5)
+    S, S_want = None, np.zeros((2, 3, D_K, D_V))
+    for t in range(T):
+        *args, g = (backend.from_numpy(a[t], dtype) for a in (q, k, v, *per_token))
+        o, S = prepared(*args, S, log_decay=g)
+        o_want, S_want = token(q[t], k[t], v[t], *(a[t] for a in per_token), S_want, scale)
+        np.testing.assert_allclose(backend.to_numpy(o), o_want, rtol=0, atol=atol)
+        np.testing.assert_allclose(backend.to_numpy(S), S_want, rtol=0, atol=state_atol)
+    # Both ways of running were taken: the one that uses the arrays as given, and the other.
+    assert prepared._plan.as_given is (form == "as given" and dtype == "float64")
+
+
 def test_grouped_heads(backend, rng):
     """Keys shared by groups of value heads: the state broadcast once, as the plain step does."""
     q, k = (backend.from_numpy(rng.standard_normal((2, 1, D_K))) for _ in range(2))
