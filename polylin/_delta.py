@@ -63,7 +63,7 @@ def delta_step(
     if decay is not None:
         S = S * decay[..., None]
     prediction = read_state(xp, k, S)  # what the state recalls for k_t
-    S = add_outer(xp, S, k, beta * (v - prediction))
+    S = add_outer(xp, S, (k, beta * (v - prediction)))
     return read_state(xp, q, S), S
 
 

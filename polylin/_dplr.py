@@ -53,7 +53,7 @@ def dplr_step(
     read = read_state(xp, a, S)  # a_t^T S_{t-1}, before the decay
     if decay is not None:
         S = S * decay[..., :, None]
-    S = add_outer(xp, add_outer(xp, S, b, read), k, v)
+    S = add_outer(xp, S, (b, read), (k, v))
     return read_state(xp, q, S), S
 
 

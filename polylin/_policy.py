@@ -213,13 +213,32 @@ def keep_lower(xp: Any, x: Any, mask: Any, *, strict: bool = False) -> Any:
     return xp.where(mask, x, 0.0)
 
 
-def add_outer(xp: Any, S: Any, x: Any, y: Any) -> Any:
-    """``S + x y^T`` over the last two axes (``x`` ``(..., m)``, ``y`` ``(..., n)``): a rank-1
-    state update. PyTorch: one ``addcmul``, which never writes the outer product out and measured
-    twice as fast on a decoding step's state (a temporary of the state's size less)."""
+def add_outer(xp: Any, S: Any, *pairs: tuple[Any, Any]) -> Any:
+    """``S + sum_i x_i y_i^T`` over the last two axes for ``pairs`` of ``x_i`` ``(..., m)`` and
+    ``y_i`` ``(..., n)``: a rank-1 (or rank-2) state update. PyTorch: one ``addcmul`` per pair,
+    which never writes the outer product out and measured twice as fast on a decoding step's
+    state (a temporary of the state's size less). NumPy, two pairs on a state of at least
+    :data:`_RANK_TWO_MATMUL` elements: one matmul of the stacked factors, one state-sized
+    temporary instead of two and one addition instead of two (0.4-0.7x the time of the two
+    outer products from 32768 elements on; below 16384 stacking the factors costs more than it
+    saves)."""
     if _torch_namespace(S) is not None:
-        return sys.modules["torch"].addcmul(S, x[..., :, None], y[..., None, :])
-    return S + x[..., :, None] * y[..., None, :]
+        for x, y in pairs:
+            S = sys.modules["torch"].addcmul(S, x[..., :, None], y[..., None, :])
+        return S
+    if len(pairs) == 2 and _is_numpy_array(S) and S.size >= _RANK_TWO_MATMUL:
+        (x1, y1), (x2, y2) = pairs
+        xs = xp.stack(xp.broadcast_arrays(x1, x2), axis=-1)  # (..., m, 2)
+        ys = xp.stack(xp.broadcast_arrays(y1, y2), axis=-2)  # (..., 2, n)
+        return S + xs @ ys
+    for x, y in pairs:
+        S = S + x[..., :, None] * y[..., None, :]
+    return S
+
+
+#: The state size (elements) from which :func:`add_outer` adds two outer products on NumPy as
+#: one matmul (measured at d = 64 for batch x heads 1 to 64: equal at 16384, faster above).
+_RANK_TWO_MATMUL = 2**15
 
 
 def vector_times_matrix(xp: Any, x: Any, S: Any) -> Any:

@@ -40,7 +40,7 @@ def recurrent_step(
         factor = xp.exp(log_decay)
         S = factor[..., :, None] * S
         z = factor * z
-    S = add_outer(xp, S, fk, v)
+    S = add_outer(xp, S, (fk, v))
     z = z + fk
     numerator = read_state(xp, fq, S)
     if not normalize:

@@ -210,6 +210,25 @@ def test_step_with_float_decay_and_from_zero(rng):
     np.testing.assert_allclose(S, want_state, atol=ATOL64, rtol=0)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_steps_on_a_large_state(backend, rng, grouped):
+    """A state of 2^16 elements, where NumPy adds the two outer products as one matmul
+    (``_policy.add_outer``); grouped: q, k, a, b shared by 4 value heads."""
+    lead, heads = ((8, 1), (8, 4)) if grouped else ((8, 4), (8, 4))
+    q, k, a, b = (rng.standard_normal((*lead, 3, 32)) for _ in range(4))
+    v = rng.standard_normal((*heads, 3, 64))
+    log_decay = -rng.uniform(0.0, 1.0, (*lead, 3, 32))
+    a, b = -unit(a), 0.5 * unit(b)
+    want, want_state = reference(q, k, v, a, b, log_decay)
+    S = None
+    for t in range(3):
+        x = on(backend, *(y[..., t, :] for y in (q, k, v, a, b, log_decay)))
+        o_t, S = dplr_delta_rule_step(*x[:5], S, log_decay=x[5])
+        close(backend, o_t, want[..., t, :])
+    assert math.prod(S.shape) == 2**16
+    close(backend, S, want_state)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_padding(backend, rng, method):
     """Left and right padding and a hole, NaN inputs there: masked tokens neither write nor
