@@ -112,9 +112,13 @@ class StepPlan(NamedTuple):
 def used_as_given(inputs: AttentionInputs, *arrays: tuple[Any, tuple | None]) -> bool:
     """:attr:`StepPlan.as_given` for checked ``(argument, converted shape)`` pairs (``None``
     for a shape that a conversion changes); arguments that are not arrays are converted once,
-    in the plan, and do not count."""
-    return inputs.dtype == inputs.work_dtype and all(
-        shape is not None and tuple(x.shape) == shape for x, shape in arrays if is_array(x)
+    in the plan, and do not count. A log decay may have another floating dtype than ``q``:
+    each array's own dtype must be the work dtype."""
+    work = inputs.work_dtype
+    return inputs.dtype == work and all(
+        shape is not None and x.dtype == work and tuple(x.shape) == shape
+        for x, shape in arrays
+        if is_array(x)
     )
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "native_elu_plus_one",
     "nonpositive",
     "outside_graph",
+    "resolve_torch_namespace",
     "rows_in_whole_chunks",
     "scan",
     "scans_tokens",
@@ -70,15 +71,27 @@ def _torch_namespace(x: Any) -> Any | None:
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(x, torch.Tensor):
         return None
-    global _TORCH_NAMESPACE
     if _TORCH_NAMESPACE is None:
-        from array_api_compat import torch as torch_namespace  # imports torch: only once it is
-
-        _TORCH_NAMESPACE = torch_namespace
+        resolve_torch_namespace()
     return _TORCH_NAMESPACE
 
 
-_TORCH_NAMESPACE: Any = None  # array-api-compat's torch namespace, once a tensor was seen
+def resolve_torch_namespace() -> None:
+    """Look up array-api-compat's PyTorch namespace once torch is imported (it imports torch).
+
+    Done when polylin is imported after torch (and by ``polylin.torch``), not at the first call:
+    a first call traced by ``torch.compile`` would see this module's global change, guard on
+    it, and compile the function a second time at the next call.
+    """
+    global _TORCH_NAMESPACE
+    from array_api_compat import torch as torch_namespace
+
+    _TORCH_NAMESPACE = torch_namespace
+
+
+_TORCH_NAMESPACE: Any = None  # array-api-compat's torch namespace, once torch is imported
+if "torch" in sys.modules:  # imported before polylin, the usual order
+    resolve_torch_namespace()
 
 
 def is_array(x: Any) -> bool:

@@ -180,6 +180,42 @@ def test_one_graph_no_breaks_no_warnings(explained: dict, case: str) -> None:
     assert result["warnings"] == []
 
 
+RECOMPILE_SCRIPT = """
+import torch
+{first_import}
+torch._dynamo.config.error_on_recompile = True  # a second compilation raises
+q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+compiled = torch.compile(polylin.{function}, backend="eager", dynamic=False)
+for _ in range(3):
+    compiled(q, k, v, {arguments})
+print("OK")
+"""
+
+
+@pytest.mark.parametrize(
+    ("first_import", "function", "arguments"),
+    [
+        ("import polylin", "causal_linear_attention", ""),
+        ("import polylin", "delta_rule_attention", "0.5"),
+        ("import polylin.torch; import polylin", "causal_linear_attention", ""),
+    ],
+)
+def test_the_first_compiled_call_of_a_process_compiles_once(
+    torch, first_import: str, function: str, arguments: str
+) -> None:
+    """In a fresh interpreter (torch, then polylin, imported; or polylin.torch), the first call
+    traced by ``torch.compile`` leaves nothing that a later call's guards see changed."""
+    script = RECOMPILE_SCRIPT.format(
+        first_import=first_import, function=function, arguments=arguments
+    )
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
 def _inputs(torch, T: int = 37):
     gen = torch.Generator().manual_seed(0)
     return [torch.randn(2, 3, T, 8, generator=gen, requires_grad=True) for _ in range(3)]

@@ -164,6 +164,8 @@ FORMS = {
     "as given": {"beta": (2, 3, 1), "g": (2, 3, D_K), "a": (2, 3, D_K), "b": (2, 3, D_K)},
     "broadcast": {"beta": (3, 1), "g": (1,), "a": (3, D_K), "b": (D_K,)},
     "0-d": {"beta": (), "g": (), "a": (2, 3, D_K), "b": (1, D_K)},
+    # a gate of the full shape in float32 (a log decay may have its own floating dtype)
+    "float32 gate": {"beta": (2, 3, 1), "g": (2, 3, 1), "a": (2, 3, D_K), "b": (2, 3, D_K)},
 }
 
 
@@ -187,20 +189,26 @@ def test_every_form_of_the_per_token_arrays_matches_the_reference(
         "b": 0.5 * rng.uniform(0.0, 1.0, (T, *shapes["b"])),
     }
     names = ("beta", "g") if rule == "delta" else ("a", "b", "g")
-    per_token = [rounded(draws[name], dtype) for name in names]
+    dtypes = [
+        "float32" if name == "g" and form == "float32 gate" else dtype for name in names
+    ]
+    per_token = [rounded(draws[name], t) for name, t in zip(names, dtypes)]
     if rule == "delta":
         prepared, token = prepare_delta_rule_step(scale=scale), _delta_token
     else:
         prepared, token = prepare_dplr_step(scale=scale), _dplr_token
     # float16: one rounding of outputs of size ~1; the state accumulates in float32.
     atol, state_atol = (1e-12, 1e-12) if dtype == "float64" else (4e-3, 1e-5)
+    work = "float64" if dtype == "float64" else "float32"
     S, S_want = None, np.zeros((2, 3, D_K, D_V))
     for t in range(T):
-        *args, g = (backend.from_numpy(a[t], dtype) for a in (q, k, v, *per_token))
+        arrays = zip((q, k, v, *per_token), [dtype] * 3 + dtypes)
+        *args, g = (backend.from_numpy(a[t], a_dtype) for a, a_dtype in arrays)
         o, S = prepared(*args, S, log_decay=g)
         o_want, S_want = token(q[t], k[t], v[t], *(a[t] for a in per_token), S_want, scale)
         np.testing.assert_allclose(backend.to_numpy(o), o_want, rtol=0, atol=atol)
         np.testing.assert_allclose(backend.to_numpy(S), S_want, rtol=0, atol=state_atol)
+        assert o.dtype == args[0].dtype and S.dtype == backend.from_numpy(q[t], work).dtype
     # Both ways of running were taken: the one that uses the arrays as given, and the other.
     assert prepared._plan.as_given is (form == "as given" and dtype == "float64")
 

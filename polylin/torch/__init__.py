@@ -17,12 +17,15 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("polylin.torch needs PyTorch: pip install 'polylin[torch]'") from exc
 
+from .._policy import resolve_torch_namespace
 from ._blocks import LayerCache, RMSNorm, ShortConvolution
 from .gated_deltanet import GatedDeltaNet
 from .gla import GatedLinearAttention
 from .kda import KimiDeltaAttention
 from .linear_attention import LinearAttention
 from .mamba2 import Mamba2
+
+resolve_torch_namespace()  # polylin may have been imported before torch (see the function)
 
 __all__ = [
     "GatedDeltaNet",
