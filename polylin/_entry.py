@@ -152,9 +152,12 @@ def step_decay(plan: StepPlan, log_decay: Any) -> Any | None:
 
 
 def step_state(plan: StepPlan, state: Any) -> Any:
-    """The checked state, or zeros of the plan's shape for ``None``."""
+    """The checked state (broadcast to the plan's shape, a view, where its leading dimensions
+    are shared), or zeros of the plan's shape for ``None``."""
     if state is not None:
-        return state
+        if tuple(state.shape) == plan.state_shape:
+            return state
+        return plan.inputs.xp.broadcast_to(state, plan.state_shape)
     inputs = plan.inputs
     return inputs.xp.zeros(plan.state_shape, dtype=inputs.work_dtype, device=inputs.device)
 

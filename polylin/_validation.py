@@ -407,15 +407,7 @@ def check_state(
             )
     S_shape, z_shape = tuple(S.shape), tuple(z.shape)
     want = (*batch_shape, d_phi, d_v)
-
-    def fits(got: tuple, expected: tuple, core: int) -> bool:  # the leading axes broadcast
-        lead, full = got[: len(got) - core], expected[: len(expected) - core]
-        return (
-            got[len(got) - core :] == expected[len(expected) - core :]
-            and len(lead) <= len(full)
-            and all(g in (1, f) for g, f in zip(reversed(lead), reversed(full)))
-        )
-
+    fits = _broadcasts_to
     if not (fits(S_shape, want, 2) and fits(z_shape, (*batch_shape, d_phi), 1)):
         if (
             token_shape is not None
@@ -444,6 +436,17 @@ def check_state(
     return S, z
 
 
+def _broadcasts_to(got: tuple, expected: tuple, core: int) -> bool:
+    """Whether a state of shape ``got`` serves ``expected``: the last ``core`` axes equal, the
+    leading ones broadcast (a state shared by a batch, or by grouped heads)."""
+    lead, full = got[: len(got) - core], expected[: len(expected) - core]
+    return (
+        got[len(got) - core :] == expected[len(expected) - core :]
+        and len(lead) <= len(full)
+        and all(g in (1, f) for g, f in zip(reversed(lead), reversed(full)))
+    )
+
+
 def _token_with_time_axis(token_shape: tuple, state_shape: tuple) -> ValueError:
     """The error for a decoding token that still has its length-1 T axis."""
     return ValueError(
@@ -464,9 +467,10 @@ def check_matrix_state(
     """Return a state that is one array ``S`` (the delta rule's) in the work dtype.
 
     ``None`` gives zeros of ``shape``; anything else must be an array of the library and device
-    of ``q``, in the work dtype (float32 for 16-bit inputs) and of exactly ``shape``.
-    ``token_shape`` (the shape of ``q_t`` in a decoding step) lets a shape error say that the
-    token still has its length-1 T axis, as :func:`check_state` does.
+    of ``q``, in the work dtype (float32 for 16-bit inputs), whose leading dimensions broadcast
+    to those of ``shape`` (a state shared by a batch, or by grouped heads): it is returned
+    broadcast, a view. ``token_shape`` (the shape of ``q_t`` in a decoding step) lets a shape
+    error say that the token still has its length-1 T axis, as :func:`check_state` does.
     """
     xp = inputs.xp
     if state is None:
@@ -491,11 +495,15 @@ def check_matrix_state(
         )
     _check_known_shape(name, state)
     got = tuple(state.shape)
-    if got != shape:
-        if token_shape is not None and token_shape[-2:-1] == (1,) and got[:-2] == token_shape[:-2]:
-            raise _token_with_time_axis(token_shape, got)
-        raise ValueError(f"{name} must have shape {shape}, got {got}")
-    return state
+    if got == shape:
+        return state
+    if token_shape is not None and token_shape[-2:-1] == (1,) and got[:-2] == token_shape[:-2]:
+        raise _token_with_time_axis(token_shape, got)
+    if not _broadcasts_to(got, shape, 2):
+        raise ValueError(
+            f"{name} must have shape {shape} (leading axes of size 1 broadcast), got {got}"
+        )
+    return xp.broadcast_to(state, shape)
 
 
 def check_coefficient(

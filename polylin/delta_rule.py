@@ -149,7 +149,8 @@ def delta_rule_attention(
         power of two.
     initial_state : array, optional
         The state ``S`` to continue from, shape ``(..., d_k, d_v)``; one returned by either
-        method. With ``cu_seqlens`` there is one per sequence: ``(..., N, d_k, d_v)``.
+        method, or one whose leading dimensions broadcast (a state shared by a batch or by
+        heads). With ``cu_seqlens`` there is one per sequence: ``(..., N, d_k, d_v)``.
     return_state : bool
         Also return the state after the last token.
     attention_mask : array of bool, optional
@@ -175,9 +176,10 @@ def delta_rule_attention(
     Raises
     ------
     TypeError
-        Arrays from different libraries, non-floating dtypes, ``beta``/``log_decay`` of another
-        dtype than ``q``, a state that is not one array, ``scale`` not a real number,
-        ``qk_l2norm`` not a bool.
+        Arrays from different libraries, non-floating dtypes, a ``beta`` array of another dtype
+        than ``q`` (a ``log_decay`` array may have any floating dtype: it is cast), a state that
+        is not one array or not in the work dtype, ``scale`` not a real number, ``qk_l2norm``
+        not a bool.
     ValueError
         Mismatched shapes or devices, an unknown method, ``chunk_size < 1``, a float ``beta``
         outside ``[0, 2]`` or ``log_decay > 0``, a non-finite ``scale``.
@@ -272,7 +274,8 @@ def delta_rule_step(
         Learning rate: a Python float in ``[0, 2]`` or an array of the dtype of ``q_t``
         broadcastable to ``(..., 1)``.
     state : array, optional
-        The state ``S`` before this token, shape ``(..., d_k, d_v)``; ``None`` starts from zeros.
+        The state ``S`` before this token, shape ``(..., d_k, d_v)`` (its leading dimensions
+        may broadcast); ``None`` starts from zeros.
     log_decay : float or array, optional
         ``log a_t <= 0`` of this token: ``None``, a number, or an array broadcastable to
         ``(..., 1)`` (one gate) or ``(..., d_k)`` (one per key channel); a number above 0 is an

@@ -142,7 +142,8 @@ def dplr_delta_rule(
         multiple of it).
     initial_state : array, optional
         The state ``S`` to continue from, shape ``(..., d_k, d_v)``; one returned by any
-        method or by :func:`dplr_delta_rule_step`. With ``cu_seqlens`` there is one per
+        method or by :func:`dplr_delta_rule_step`, or one whose leading dimensions broadcast
+        (a state shared by a batch or by heads). With ``cu_seqlens`` there is one per
         sequence: ``(..., N, d_k, d_v)``.
     return_state : bool
         Also return the state after the last token.
@@ -166,8 +167,9 @@ def dplr_delta_rule(
     Raises
     ------
     TypeError
-        Arrays from different libraries, non-floating dtypes, ``a``, ``b`` or ``log_decay`` of
-        another dtype than ``q``, a state that is not one array.
+        Arrays from different libraries, non-floating dtypes, ``a`` or ``b`` of another dtype
+        than ``q`` (a ``log_decay`` array may have any floating dtype: it is cast), a state
+        that is not one array or not in the work dtype.
     ValueError
         Mismatched shapes or devices, an unknown method, ``chunk_size < 1``, a float
         ``log_decay > 0``, ``attention_mask`` with ``cu_seqlens``.
@@ -255,7 +257,8 @@ def dplr_delta_rule_step(
         The low-rank term ``b_t a_t^T``, arrays of the dtype of ``q_t`` broadcastable to the
         shape of ``k_t``.
     state : array, optional
-        The state ``S`` before this token, shape ``(..., d_k, d_v)``; ``None`` starts from zeros.
+        The state ``S`` before this token, shape ``(..., d_k, d_v)`` (its leading dimensions
+        may broadcast); ``None`` starts from zeros.
     log_decay : float or array, optional
         ``g_t <= 0`` of this token: ``None``, a Python float, or an array broadcastable to
         ``(..., 1)`` or ``(..., d_k)``; values above 0 are taken as 0.

@@ -861,3 +861,80 @@ def test_dplr_argument_rules():
     fla.fused_mul_recurrent_rwkv7(q, gk, k, v, -a, b)
     for n in x:
         np.testing.assert_array_equal(x[n], copies[n])
+
+
+def _fla_errors_inputs():
+    """H = 2 key heads, HV = 4 value heads, K = 4, V = 5, T = 10 (fla's layout)."""
+    q = k = np.zeros((1, 10, 2, 4))
+    v = np.zeros((1, 10, 4, 5))
+    return q, k, v, -np.ones((1, 10, 4)), 0.5 * np.ones((1, 10, 4))
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda q, k, v, g, b: fla.chunk_gated_delta_rule(
+                q, k, v, g, b, initial_state=np.zeros((4, 4, 5))
+            ),
+            r"^initial_state must have shape \[N, HV, K, V\] = \(1, 4, 4, 5\), got \(4, 4, 5\)$",
+        ),
+        (
+            lambda q, k, v, g, b: fla.chunk_gated_delta_rule(
+                q, k, v, g, b, initial_state=np.zeros((1, 3, 4, 5))
+            ),
+            r"^initial_state must have shape \[N, HV, K, V\] = \(1, 4, 4, 5\), got \(1, 3, 4, 5\)",
+        ),
+        (
+            lambda q, k, v, g, b: fla.chunk_gated_delta_rule(
+                q, k, v, g, b, initial_state=np.zeros((1, 4, 5, 4))
+            ),
+            r"^initial_state must have shape \[N, HV, K, V\] = \(1, 4, 4, 5\), got \(1, 4, 5, 4\)",
+        ),
+        (
+            lambda q, k, v, g, b: fla.chunk_gated_delta_rule(
+                q, k, v, g, b, initial_state=np.zeros((1, 4, 4, 5)), state_v_first=True
+            ),
+            r"^initial_state must have shape \[N, HV, V, K\] \(state_v_first\) = \(1, 4, 5, 4\)",
+        ),
+        (
+            lambda q, k, v, g, b: fla.chunk_gated_delta_rule(
+                q[:, :6], k[:, :6], v[:, :6], g[:, :6], b[:, :6],
+                cu_seqlens=np.array([0, 2, 6]), initial_state=np.zeros((2, 4, 5, 4)),
+            ),
+            r"^initial_state must have shape \[N, HV, K, V\] = \(2, 4, 4, 5\), got \(2, 4, 5, 4\)",
+        ),
+        (
+            lambda q, k, v, g, b: fla.chunk_kda(q, k, v, -np.ones((1, 10, 4, 3)), b),
+            r"^g must have shape \[B, T, HV\] or \[B, T, HV, K\] with HV = 4 value heads, K = 4,"
+            r" got \(1, 10, 4, 3\)",
+        ),
+        (
+            lambda q, k, v, g, b: fla.chunk_gated_delta_rule(q, k, v, g, b[..., :3]),
+            r"^beta must have shape \[B, T, HV\] with HV = 4 value heads, got \(1, 10, 3\)",
+        ),
+        (
+            lambda q, k, v, g, b: fla.chunk_gla(
+                q, k, v[..., :4], g[..., None] * np.ones(4), initial_state=np.zeros((1, 2, 5, 4))
+            ),
+            r"^initial_state must have shape \[N, HV, K, V\] = \(1, 4, 4, 4\), got \(1, 2, 5, 4\)",
+        ),
+        (
+            lambda q, k, v, g, b: fla.chunk_linear_attn(
+                q, k, v, initial_state=(np.zeros((1, 4, 4, 5)), np.zeros((1, 2, 4)))
+            ),
+            r"^the key sum of initial_state .* \[N, 1, H, K\] = \(1, 1, 2, 4\), got \(1, 2, 4\)",
+        ),
+        (
+            lambda q, k, v, g, b: fla.chunk_rwkv7(
+                q, -np.ones((1, 10, 2, 3)), k, v, -np.ones((1, 10, 2, 4)), np.ones((1, 10, 2, 4))
+            ),
+            r"^w must have shape \[B, T, H, K\] with H = 2 key heads and K = 4 key channels, got "
+            r"\(1, 10, 2, 3\)",
+        ),
+    ],
+)
+def test_shape_errors_speak_fla_terms(call, match):
+    """A bad state or gate is named as fla names it, with fla's layout and the caller's shape."""
+    with pytest.raises(ValueError, match=match):
+        call(*_fla_errors_inputs())

@@ -182,6 +182,42 @@ def test_split_and_resume(backend, rng, monkeypatch, first, second):
     close(backend, S2, want_state)
 
 
+#: Initial states shared by the batch, by the heads, by both (no leading axes at all).
+SHARED_STATES = [(1, 3), (2, 1), ()]
+
+
+@pytest.mark.parametrize("lead", SHARED_STATES)
+@pytest.mark.parametrize("method", polylin.DELTA_METHODS)
+def test_a_shared_initial_state_broadcasts(backend, rng, method, lead):
+    """An initial state whose leading dimensions broadcast to the batch's serves every member,
+    in the whole call and in a step: as the explicitly repeated state does."""
+    inputs = make_inputs(rng)
+    S0 = rng.standard_normal((*lead, D_K, D_V))
+    full = np.broadcast_to(S0, (*LEAD, D_K, D_V))
+    want, want_state = reference(*inputs, state=full)
+    out, S = run_delta(
+        backend, inputs, initial_state=S0, method=method, chunk_size=CHUNK, return_state=True
+    )
+    close(backend, out, want)
+    close(backend, S, want_state)
+    x = [backend.from_numpy(a[..., 0, :]) for a in inputs]
+    o_t, S_t = delta_rule_step(*x[:4], backend.from_numpy(S0), log_decay=x[4])
+    close(backend, o_t, want[..., 0, :])
+    close(backend, S_t, reference(*(a[..., :1, :] for a in inputs), state=full)[1])
+
+
+def test_a_shared_initial_state_gets_the_summed_gradient(rng):
+    """The gradient of a state shared by the batch is the sum of the repeated state's."""
+    torch = needs(Backend.TORCH)
+    q, k, v, beta, log_decay = (torch.from_numpy(a) for a in make_inputs(rng))
+    shared = torch.from_numpy(rng.standard_normal((1, 3, D_K, D_V))).requires_grad_(True)
+    repeated = shared.detach().repeat(2, 1, 1, 1).requires_grad_(True)
+    for S0 in (shared, repeated):
+        out = delta_rule_attention(q, k, v, beta, log_decay=log_decay, initial_state=S0)
+        (out * torch.cos(out)).sum().backward()
+    torch.testing.assert_close(shared.grad, repeated.grad.sum(0, keepdim=True))
+
+
 def test_step_continues_a_chunked_prefill(backend, rng):
     q, k, v, beta, log_decay = make_inputs(rng)
     want, want_state = reference(q, k, v, beta, log_decay)

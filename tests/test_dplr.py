@@ -210,6 +210,26 @@ def test_step_with_float_decay_and_from_zero(rng):
     np.testing.assert_allclose(S, want_state, atol=ATOL64, rtol=0)
 
 
+@pytest.mark.parametrize("lead", [(1, 3), (2, 1), ()])
+@pytest.mark.parametrize("method", METHODS)
+def test_a_shared_initial_state_broadcasts(backend, rng, method, lead):
+    """A state shared by the batch, the heads or both serves every member, in the whole call
+    and in a step."""
+    q, k, v, a, b, log_decay = make_inputs(rng)
+    S0 = rng.standard_normal((*lead, D_K, D_V))
+    want, want_state = reference(q, k, v, a, b, log_decay, state=S0)
+    x = on(backend, q, k, v, a, b, log_decay, S0)
+    out, S = dplr_delta_rule(
+        *x[:5], log_decay=x[5], initial_state=x[6], method=method, chunk_size=CHUNK,
+        return_state=True,
+    )  # fmt: skip
+    close(backend, out, want)
+    close(backend, S, want_state)
+    first = on(backend, *(y[..., 0, :] for y in (q, k, v, a, b, log_decay)))
+    o_t, _ = dplr_delta_rule_step(*first[:5], x[6], log_decay=first[5])
+    close(backend, o_t, want[..., 0, :])
+
+
 @pytest.mark.parametrize("grouped", [False, True])
 def test_steps_on_a_large_state(backend, rng, grouped):
     """A state of 2^16 elements, where NumPy adds the two outer products as one matmul

@@ -165,6 +165,9 @@ class FlaHeads(NamedTuple):
     heads: int  # H, the query/key heads
     groups: int  # G = HV // H, the value heads per query/key head
     varlen: bool
+    d_k: int = 0  # K, the key channels
+    d_v: int = 0  # V, the value channels
+    n_states: int = 0  # N, the states: the batch, or the sequences of cu_seqlens
 
     @classmethod
     def of(cls, q: Any, k: Any, v: Any, offsets: list[int] | None, initial_state: Any) -> FlaHeads:
@@ -192,12 +195,13 @@ class FlaHeads(NamedTuple):
                     f"The batch size is expected to be 1 rather than {B} when using `cu_seqlens`. "
                     "Please flatten variable-length inputs before processing."
                 )
-            if initial_state is not None and initial_state.shape[0] != len(offsets) - 1:
+            if is_array(initial_state) and initial_state.shape[0] != len(offsets) - 1:
                 raise ValueError(
                     "The number of initial states is expected to be equal to the number of input "
                     f"sequences, i.e., {len(offsets) - 1} rather than {initial_state.shape[0]}."
                 )
-        return cls(xp, B, H, HV // H, offsets is not None)
+        n_states = B if offsets is None else len(offsets) - 1
+        return cls(xp, B, H, HV // H, offsets is not None, k.shape[3], v.shape[3], n_states)
 
     @property
     def seq_axis(self) -> int:
@@ -216,24 +220,31 @@ class FlaHeads(NamedTuple):
         :meth:`query_key`, shared by the ``HV // H`` value heads of each key head."""
         if not is_array(x):
             return x
-        if x.ndim != 4 or x.shape[2] != self.heads:
+        if x.ndim != 4 or x.shape[2] != self.heads or x.shape[3] != self.d_k:
             raise ValueError(
-                f"{name} must have shape [B, T, H, K] with H = {self.heads} key heads, got "
-                f"{tuple(x.shape)}"
+                f"{name} must have shape [B, T, H, K] with H = {self.heads} key heads and "
+                f"K = {self.d_k} key channels, got {tuple(x.shape)}"
             )
         return self.query_key(x)
 
-    def per_value_head(self, x: Any, name: str) -> Any:
-        """``(B, T, HV, w)`` or ``(B, T, HV)`` (then ``w = 1``) -> ``(B, T, H, G, w)``."""
+    def per_value_head(self, x: Any, name: str, *, channels: bool = False) -> Any:
+        """``(B, T, HV, w)`` or ``(B, T, HV)`` (then ``w = 1``) -> ``(B, T, H, G, w)``. A gate
+        (``channels``) has ``w`` 1 or K; ``beta`` 1; ``v`` any."""
         if not is_array(x):
             return x
+        given = tuple(x.shape)
         if x.ndim == 3:
             x = self.xp.reshape(x, (*x.shape, 1))
-        if x.ndim != 4 or x.shape[2] != self.heads * self.groups:
-            raise ValueError(
-                f"{name} must have shape [B, T, HV] or [B, T, HV, d] with HV = "
-                f"{self.heads * self.groups} value heads, got {tuple(x.shape)}"
-            )
+        widths = (1, self.d_k) if channels else (1,) if name == "beta" else None
+        HV = self.heads * self.groups
+        if x.ndim != 4 or x.shape[2] != HV or (widths is not None and x.shape[3] not in widths):
+            if channels:
+                what = f"[B, T, HV] or [B, T, HV, K] with HV = {HV} value heads, K = {self.d_k}"
+            elif name == "beta":
+                what = f"[B, T, HV] with HV = {HV} value heads"
+            else:
+                what = f"[B, T, HV, d] with HV = {HV} value heads"
+            raise ValueError(f"{name} must have shape {what}, got {given}")
         B, T, _, w = x.shape
         return self._lead(self.xp.reshape(x, (B, T, self.heads, self.groups, w)))
 
@@ -246,9 +257,18 @@ class FlaHeads(NamedTuple):
         return self.xp.reshape(o, (B, T, H * G, d_v))
 
     def state_in(self, state: Any, work_dtype: Any, *, v_first: bool = False) -> Any:
-        """fla's ``(N, HV, d_k, d_v)`` state -> polylin's, in the work dtype."""
+        """fla's ``(N, HV, d_k, d_v)`` state -> polylin's, in the work dtype (its shape checked
+        in fla's terms: ``N`` is the batch, or the number of sequences of ``cu_seqlens``)."""
         if state is None:
             return None
+        HV = self.heads * self.groups
+        want = (self.n_states, HV, self.d_v, self.d_k) if v_first else (
+            self.n_states, HV, self.d_k, self.d_v
+        )  # fmt: skip
+        if not is_array(state) or tuple(state.shape) != want:
+            layout = "[N, HV, V, K] (state_v_first)" if v_first else "[N, HV, K, V]"
+            got = tuple(state.shape) if is_array(state) else type(state).__name__
+            raise ValueError(f"initial_state must have shape {layout} = {want}, got {got}")
         xp = self.xp
         if v_first:
             state = xp.matrix_transpose(state)
@@ -269,6 +289,13 @@ class FlaHeads(NamedTuple):
 
     def normalizer_in(self, z: Any, work_dtype: Any) -> Any:
         """fla's key sum ``(N, 1, H, d_k)`` -> polylin's ``z`` ``(B, H, 1, d_k)``."""
+        want = (self.n_states, 1, self.heads, self.d_k)
+        if not is_array(z) or tuple(z.shape) != want:
+            got = tuple(z.shape) if is_array(z) else type(z).__name__
+            raise ValueError(
+                f"the key sum of initial_state (its second part) must have shape [N, 1, H, K] = "
+                f"{want}, got {got}"
+            )
         xp = self.xp
         if z.dtype != work_dtype:
             z = xp.astype(z, work_dtype)

@@ -132,7 +132,7 @@ def _linear_family(
         return_state=True,
         cu_seqlens=offsets,
         seq_axis=heads.seq_axis,
-        log_decay=heads.per_value_head(log_decay, "g"),
+        log_decay=heads.per_value_head(log_decay, "g", channels=True),
         normalize=normalize,
     )
     o = heads.output(o)
@@ -627,7 +627,7 @@ def _delta_family(
         heads.query_key(k),
         heads.per_value_head(v, "v"),
         1.0 if beta is None else heads.per_value_head(beta, "beta"),
-        log_decay=heads.per_value_head(g, "g"),
+        log_decay=heads.per_value_head(g, "g", channels=True),
         scale=scale,
         qk_l2norm=bool(use_qk_l2norm_in_kernel),
         method=method,
