@@ -3,14 +3,15 @@
 #   1. records the machine (nvidia-smi, versions, TF32-related settings)          -> env.txt
 #   2. installs what the machine lacks from carried wheels in .whl/, offline, into a
 #      --target folder, and makes polylin importable from the working tree
-#   3. runs the device correctness tests on torch:cuda and CuPy                    -> tests-device.log
-#   4. runs the whole test suite on torch:cuda and CuPy                            -> tests.log, tests-junit.xml
-#   5. runs the GPU benchmark                                                      -> bench.log, bench-gpu.json, bench-gpu.png
-#   6. prints a short summary                                                      -> summary.txt
+#   3. runs the device correctness tests on torch:cuda and CuPy                    -> tests.log
+#   4. runs the whole test suite on torch:cuda and CuPy                            -> tests.log (appended), tests-junit.xml
+#   5. runs the GPU benchmark of plain linear attention                            -> bench.log, bench-gpu.json, bench-gpu.png
+#   6. runs the GPU benchmark of the recurrence family against fla's kernels       -> bench.log (appended), bench-family.json
+#   7. prints a short summary                                                      -> summary.txt
 # Everything goes to $OUT (default ./gpu-check-out), at most 8 files. Each step has a timeout,
 # a share of GPU_CHECK_TOTAL_S (default 470 s, inside the 8 minutes asked for; install 10%,
-# device tests 20%, suite 35%, the benchmark what is left), so the script always ends and always
-# leaves its logs. Exit status: 0 when every step passed.
+# device tests 20%, suite 35%, the plain benchmark 12%, the family benchmark what is left), so
+# the script always ends and always leaves its logs. Exit status: 0 when every step passed.
 #
 # On the GPU machine (repository root):   bash backends/gpu-check.sh
 # Dry run of the script itself on a CPU:  GPU_CHECK_MODE=cpu PYTHON=.venv/bin/python bash backends/gpu-check.sh
@@ -42,12 +43,17 @@ if [ "$MODE" = cpu ]; then
     BACKENDS=torch,numpy
     BENCH_ARGS=(--device cpu --seq-lens 256 128 --dims 16 --batch 1 --heads 2 --repeats 2
                 --seed-loop-len 16 --matmul-size 128)
-    SUITE=(tests/test_gpu_device.py tests/test_benchmarks_gpu.py)
+    FAMILY_ARGS=(--device cpu --seq-lens 128 --dims 16 --batch 1 --heads 2 --repeats 2
+                 --decode-batches 1 --decode-tokens 4)
+    SUITE=(tests/test_gpu_device.py tests/test_benchmarks_gpu.py tests/test_gpu_family_benchmark.py)
 else
     BACKENDS=${GPU_CHECK_BACKENDS:-torch:cuda,cupy}   # the issue's two; add jax:cuda if wanted
     BENCH_ARGS=(--device cuda)
+    # torch.compile of the one op Qwen3-Next runs (compiling all five would take the budget).
+    FAMILY_ARGS=(--device cuda --compile-ops chunk_gated_delta_rule)
     # The benchmark's CPU smoke test adds nothing here: the real benchmark runs in step 5.
-    SUITE=(tests/ --ignore=tests/test_gpu_device.py --ignore=tests/test_benchmarks_gpu.py)
+    SUITE=(tests/ --ignore=tests/test_gpu_device.py --ignore=tests/test_benchmarks_gpu.py
+           --ignore=tests/test_gpu_family_benchmark.py)
 fi
 
 # ---- 1. the machine -------------------------------------------------------------------------
@@ -114,42 +120,60 @@ fi
 # ---- 3. device correctness tests ------------------------------------------------------------
 say "device tests (POLYLIN_BACKENDS=$BACKENDS)"
 POLYLIN_BACKENDS=$BACKENDS timeout -k 10 "$(budget 20 60)" "${PYTEST[@]}" \
-    tests/test_gpu_device.py >"$OUT/tests-device.log" 2>&1
+    tests/test_gpu_device.py >"$OUT/tests.log" 2>&1
 record device-tests $?
 
 # ---- 4. the test suite ----------------------------------------------------------------------
 # Not -x: one GPU run should report every failure it can, so stop only after many.
 say "test suite (POLYLIN_BACKENDS=$BACKENDS)"
+echo "==== the test suite ====" >>"$OUT/tests.log"
 POLYLIN_BACKENDS=$BACKENDS timeout -k 10 "$(budget 35 30)" "${PYTEST[@]}" --maxfail=25 \
-    --junitxml="$OUT/tests-junit.xml" "${SUITE[@]}" >"$OUT/tests.log" 2>&1
+    --junitxml="$OUT/tests-junit.xml" "${SUITE[@]}" >>"$OUT/tests.log" 2>&1
 record test-suite $?
 
 # ---- 5. the benchmark -----------------------------------------------------------------------
 # The rest of the time, less the summary's. The benchmark stops starting measurements at its
 # own budget and writes JSON after every cell; the hard timeout leaves it 45 s to finish the
 # measurement under way, plot and summarize.
-hard=$(budget 100 3)
+hard=$(budget 12 20)
 soft=$((hard > 60 ? hard - 45 : hard / 2))
 say "benchmark: --time-budget $soft s, hard limit $hard s"
 timeout -k 10 "$hard" "$PY" benchmarks/run.py gpu "${BENCH_ARGS[@]}" --out "$OUT" \
     --time-budget "$soft" >"$OUT/bench.log" 2>&1
 record benchmark $?
 
-# ---- 6. summary -----------------------------------------------------------------------------
+# ---- 6. the family benchmark ----------------------------------------------------------------
+# The rest of the time; it stops starting cells at its budget and writes JSON after each.
+hard=$(budget 100 3)
+soft=$((hard > 60 ? hard - 45 : hard / 2))
+say "family benchmark: --time-budget $soft s, hard limit $hard s"
+echo "==== benchmarks/gpu_family.py ====" >>"$OUT/bench.log"
+timeout -k 10 "$hard" "$PY" benchmarks/gpu_family.py "${FAMILY_ARGS[@]}" \
+    --json "$OUT/bench-family.json" --time-budget "$soft" >>"$OUT/bench.log" 2>&1
+record family-benchmark $?
+
+# ---- 7. summary -----------------------------------------------------------------------------
 {
     echo "polylin GPU check ($MODE) in $(elapsed) s; output in $OUT"
     for s in "${STEPS[@]}"; do echo "  $s: exit ${RC[$s]}"; done
-    for pair in "device tests:|device-tests|tests-device.log" "test suite:  |test-suite|tests.log"; do
-        IFS="|" read -r label step log <<<"$pair"
-        line=$(grep -E '[0-9]+ (passed|failed|errors?|skipped)' "$OUT/$log" | tail -1)
+    # tests.log: the device tests, then (after its header) the suite; one result line each.
+    for part in "device tests:|device-tests|1" "test suite:  |test-suite|2"; do
+        IFS="|" read -r label step n <<<"$part"
+        line=$(awk -v n="$n" '/^==== the test suite ====$/ {p = 2; next} {if ((p ? p : 1) == n) print}' \
+            "$OUT/tests.log" | grep -E '[0-9]+ (passed|failed|errors?|skipped)' | tail -1)
         echo "$label ${line:-no pytest result line (exit ${RC[$step]}; 124 = timed out)}"
     done
-    grep -E '^(FAILED|ERROR) ' "$OUT/tests-device.log" "$OUT/tests.log" | head -40
+    grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -40
     if [ -s "$OUT/bench-gpu.json" ]; then
         timeout 30 "$PY" benchmarks/run.py gpu --summary-of "$OUT/bench-gpu.json" 2>&1
     else
         echo "benchmark: no bench-gpu.json; last lines of bench.log:"
         tail -20 "$OUT/bench.log"
+    fi
+    if [ -s "$OUT/bench-family.json" ]; then
+        timeout 30 "$PY" benchmarks/gpu_family.py --summary-of "$OUT/bench-family.json" 2>&1
+    else
+        echo "family benchmark: no bench-family.json"
     fi
 } >"$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"
