@@ -563,12 +563,16 @@ def check_cu_seqlens(cu_seqlens: Sequence[int], total: int) -> list[int]:
     """Validate offsets ``[0, l1, l1 + l2, ..., total]`` and return them as a list of ints."""
     if isinstance(cu_seqlens, (str, bytes)) or not isinstance(cu_seqlens, Sequence):
         raise TypeError(
-            "cu_seqlens must be a sequence of Python ints [0, l1, l1+l2, ...], "
+            "cu_seqlens must be a sequence of ints [0, l1, l1+l2, ...], "
             f"got {type(cu_seqlens).__name__}"
         )
     offsets = list(cu_seqlens)
-    if not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets):
-        raise TypeError("cu_seqlens must contain Python ints only")
+    # Integers of any kind (NumPy's, from np.cumsum) are host values: taken as Python ints.
+    if not all(isinstance(o, numbers.Integral) and not isinstance(o, bool) for o in offsets):
+        raise TypeError(
+            "cu_seqlens must contain integers only (Python or NumPy ints, not arrays or floats)"
+        )
+    offsets = [int(o) for o in offsets]
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
         raise ValueError(
             f"cu_seqlens must start at 0 and end at the sequence length {total}, got {offsets}"

@@ -239,11 +239,20 @@ def test_cu_seqlens_errors(rng):
         ([0, 4, 9], ValueError, "end at the sequence length 10"),
         ([1, 10], ValueError, "start at 0"),
         ([0, 6, 4, 10], ValueError, "non-decreasing"),
-        ([0, 4.0, 10], TypeError, "Python ints"),
-        (np.array([0, 10]), TypeError, "sequence of Python ints"),
+        ([0, 4.0, 10], TypeError, "integers only"),
+        ([0, np.array(4), 10], TypeError, "integers only"),
+        ([0, True, 10], TypeError, "integers only"),
+        (np.array([0, 10]), TypeError, "sequence of ints"),
     ]:
         with pytest.raises(exc, match=msg):
             causal_linear_attention(q, k, v, cu_seqlens=bad)
+    # NumPy's integers (a list made from np.cumsum) are offsets like Python's.
+    numpy_ints = list(np.cumsum([0, 4, 6]))
+    assert all(type(o) is np.int64 for o in numpy_ints)
+    np.testing.assert_array_equal(
+        causal_linear_attention(q, k, v, cu_seqlens=numpy_ints),
+        causal_linear_attention(q, k, v, cu_seqlens=[0, 4, 10]),
+    )
     with pytest.raises(ValueError, match="attention_mask or cu_seqlens, not both"):
         causal_linear_attention(q, k, v, cu_seqlens=[0, 10], attention_mask=np.ones((2, 10), bool))
 
