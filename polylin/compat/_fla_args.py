@@ -165,9 +165,9 @@ class FlaHeads(NamedTuple):
     heads: int  # H, the query/key heads
     groups: int  # G = HV // H, the value heads per query/key head
     varlen: bool
-    d_k: int = 0  # K, the key channels
-    d_v: int = 0  # V, the value channels
-    n_states: int = 0  # N, the states: the batch, or the sequences of cu_seqlens
+    d_k: int  # K, the key channels
+    d_v: int  # V, the value channels
+    n_states: int  # N, the states: the batch, or the sequences of cu_seqlens
 
     @classmethod
     def of(cls, q: Any, k: Any, v: Any, offsets: list[int] | None, initial_state: Any) -> FlaHeads:
