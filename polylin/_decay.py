@@ -26,10 +26,10 @@ from ._policy import is_array, nonpositive
 from ._validation import (
     AttentionInputs,
     _check_known_shape,
-    _other_device,
     check_flag,
     is_real_number,
     namespace_of,
+    other_device,
 )
 
 __all__ = [
@@ -90,7 +90,7 @@ def check_log_decay(
         )
     if namespace_of(log_decay=log_decay) is not xp:
         raise TypeError("log_decay must be an array of the same library as q")
-    if _other_device(inputs.device, log_decay):
+    if other_device(inputs.device, log_decay):
         raise ValueError(
             f"log_decay is on device {device_of(log_decay)} but q is on device {inputs.device}"
         )

@@ -37,6 +37,7 @@ __all__ = [
     "coefficient_values",
     "is_real_number",
     "namespace_of",
+    "other_device",
     "work_dtype_for",
 ]
 
@@ -89,7 +90,7 @@ def namespace_of(**arrays: Any) -> Any:
     return xp
 
 
-def _other_device(device: Any, x: Any) -> bool:
+def other_device(device: Any, x: Any) -> bool:
     """Whether ``x`` is known to live on another device than ``device``.
 
     A JAX tracer has no device (``None``) while an array closed over under ``jit`` has one:
@@ -111,7 +112,7 @@ def is_real_number(x: Any) -> bool:
 def _check_device(xp: Any, device: Any, first: str, **arrays: Any) -> None:
     for name, x in arrays.items():
         other = device_of(x)
-        if _other_device(device, x):
+        if other_device(device, x):
             raise ValueError(f"{name} is on device {other} but {first} is on device {device}")
 
 
@@ -275,7 +276,7 @@ def _check_boolean_array(
     it is compared with in messages; ``true_means`` says what True selects)."""
     if namespace_of(**{name: mask}) is not inputs.xp:
         raise TypeError(f"{name} must be an array of the same library as {query}")
-    if _other_device(inputs.device, mask):
+    if other_device(inputs.device, mask):
         raise ValueError(
             f"{name} is on device {device_of(mask)} but {query} is on device {inputs.device}"
         )
@@ -340,15 +341,16 @@ def check_mask(
     raise ValueError(f"{name} must have shape {expected}; got {shape}")
 
 
-def check_token_mask(inputs: AttentionInputs, attention_mask: Any) -> Any:
+def check_token_mask(inputs: AttentionInputs, attention_mask: Any, *, token: str = "q_t") -> Any:
     """Validate the boolean mask of one decoding step; return it as ``(..., 1)``.
 
-    It has the batch shape of ``q_t`` (size-1 axes broadcast), or is 1-D ``(batch,)`` for the
-    first leading axis, as a 2-D ``(batch, T)`` mask is for whole sequences.
+    It has the batch shape of the token (``token``: its argument's name; size-1 axes
+    broadcast), or is 1-D ``(batch,)`` for the first leading axis, as a 2-D ``(batch, T)``
+    mask is for whole sequences.
     """
     xp = inputs.xp
     name = "attention_mask"
-    _check_boolean_array(inputs, attention_mask, name, "q_t", "rows that take this token")
+    _check_boolean_array(inputs, attention_mask, name, token, "rows that take this token")
     batch = inputs.batch_shape
     shape = tuple(attention_mask.shape)
     if len(batch) >= 1 and len(shape) == 1 and shape[0] in (1, batch[0]):
@@ -356,7 +358,7 @@ def check_token_mask(inputs: AttentionInputs, attention_mask: Any) -> Any:
     if len(shape) == len(batch) and all(m in (1, b) for m, b in zip(shape, batch)):
         return attention_mask[..., None]
     raise ValueError(
-        f"{name} of a decoding step must have the batch shape of q_t, {batch} (size-1 axes "
+        f"{name} of a decoding step must have the batch shape of {token}, {batch} (size-1 axes "
         f"broadcast), or be 1-D (batch,) = {batch[:1]}; got {shape}"
     )
 
@@ -393,7 +395,7 @@ def check_state(
         raise TypeError(f"{name} must hold arrays of the same library as q")
     for part, x in (("S", S), ("z", z)):
         _check_known_shape(f"{name}.{part}", x)
-        if _other_device(inputs.device, x):
+        if other_device(inputs.device, x):
             raise ValueError(
                 f"{name}.{part} is on device {device_of(x)} but q is on device {inputs.device}"
             )
@@ -482,7 +484,7 @@ def check_matrix_state(
         )
     if namespace_of(**{name: state}) is not xp:
         raise TypeError(f"{name} must be an array of the same library as q")
-    if _other_device(inputs.device, state):
+    if other_device(inputs.device, state):
         raise ValueError(
             f"{name} is on device {device_of(state)} but q is on device {inputs.device}"
         )
@@ -535,7 +537,7 @@ def check_coefficient(
         raise TypeError(f"{name} must be a float or an array, got {type(x).__name__}")
     if namespace_of(**{name: x}) is not xp:
         raise TypeError(f"{name} must be an array of the same library as q")
-    if _other_device(inputs.device, x):
+    if other_device(inputs.device, x):
         raise ValueError(f"{name} is on device {device_of(x)} but q is on device {inputs.device}")
     if x.dtype != inputs.dtype:
         raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {inputs.dtype}")

@@ -17,6 +17,7 @@ from ._validation import (
     check_mask,
     check_token_mask,
     namespace_of,
+    other_device,
     work_dtype_for,
 )
 from .activations import silu
@@ -52,7 +53,7 @@ def _check_arrays(
     for other, value in arrays.items():
         if other != name and value.dtype != x.dtype:
             raise TypeError(f"{other} has dtype {value.dtype} but {name} has dtype {x.dtype}")
-        if other != name and device_of(value) != device_of(x) and device_of(value) is not None:
+        if other != name and other_device(device_of(x), value):  # a tracer's device is None
             raise ValueError(
                 f"{other} is on device {device_of(value)} but {name} is on {device_of(x)}"
             )
@@ -280,7 +281,7 @@ def causal_conv1d_step(
     xp = inputs.xp
     keep = None
     if attention_mask is not None:
-        keep = check_token_mask(inputs, attention_mask)  # (..., 1)
+        keep = check_token_mask(inputs, attention_mask, token="x_t")  # (..., 1)
     x = x_t[..., None, :]
     if keep is not None:
         x = xp.where(keep[..., None], x, 0.0)

@@ -265,3 +265,24 @@ def test_bad_input(backend, rng) -> None:
         causal_conv1d([1.0], w)
     with pytest.raises(ValueError, match="x must have shape"):
         causal_conv1d(backend.from_numpy(np.ones(3)), w)
+    with pytest.raises(ValueError, match="attention_mask of a decoding step must have the batch "
+                       "shape of x_t"):  # fmt: skip
+        causal_conv1d_step(x[:, 0, :], w, attention_mask=backend.from_numpy(np.ones(3, bool)))
+
+
+def test_jax_transforms_of_x_with_concrete_weights(rng) -> None:
+    """Under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` of ``x`` alone the weights are concrete
+    arrays on a device while ``x`` is traced (it has none): not a device mismatch."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    x_np, w_np = rng.standard_normal((2, 6, 3)), rng.standard_normal((3, 4))
+    x, w = jnp.asarray(x_np), jnp.asarray(w_np)
+    want, _ = reference(x_np, w_np)
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda x: causal_conv1d(x, w))(x)), want,
+                               atol=1e-12)  # fmt: skip
+    grad = jax.grad(lambda x: jnp.sum(causal_conv1d(x, w, activation="silu") ** 2))(x)
+    assert grad.shape == x.shape and bool(jnp.all(jnp.isfinite(grad)))
+    per_row = jax.vmap(lambda row: causal_conv1d(row, w))(x)
+    np.testing.assert_allclose(np.asarray(per_row), want, atol=1e-12)
+    out, _ = jax.jit(lambda x_t: causal_conv1d_step(x_t, w))(x[:, 0])
+    np.testing.assert_allclose(np.asarray(out), want[:, 0], atol=1e-12)
