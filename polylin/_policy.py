@@ -68,27 +68,39 @@ def _torch_namespace(x: Any) -> Any | None:
     Reads ``sys.modules`` instead of importing torch: if torch was never imported, ``x`` cannot
     be one of its tensors.
     """
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(x, torch.Tensor):
+    torch = _TORCH
+    if torch is None:  # not resolved yet: torch was imported after polylin, or never
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+    if not isinstance(x, torch.Tensor):
         return None
     if _TORCH_NAMESPACE is None:
         resolve_torch_namespace()
     return _TORCH_NAMESPACE
 
 
+def _torch() -> Any:
+    """The torch module where a tensor was seen (a module global under tracing, see below)."""
+    return _TORCH if _TORCH is not None else sys.modules["torch"]
+
+
 def resolve_torch_namespace() -> None:
     """Look up array-api-compat's PyTorch namespace once torch is imported (it imports torch).
 
     Done when polylin is imported after torch (and by ``polylin.torch``), not at the first call:
-    a first call traced by ``torch.compile`` would see this module's global change, guard on
-    it, and compile the function a second time at the next call.
+    a first call traced by ``torch.compile`` would see this module's globals change, guard on
+    them, and compile the function a second time at the next call.
     """
-    global _TORCH_NAMESPACE
+    global _TORCH, _TORCH_NAMESPACE
     from array_api_compat import torch as torch_namespace
 
-    _TORCH_NAMESPACE = torch_namespace
+    _TORCH, _TORCH_NAMESPACE = sys.modules.get("torch"), torch_namespace
 
 
+# Module globals, not sys.modules: a traced call reads no dictionary that imports can change
+# while torch.compile installs its guards (which iterate over what the trace read).
+_TORCH: Any = None  # the torch module, once resolved
 _TORCH_NAMESPACE: Any = None  # array-api-compat's torch namespace, once torch is imported
 if "torch" in sys.modules:  # imported before polylin, the usual order
     resolve_torch_namespace()
@@ -162,7 +174,7 @@ def cumulative_sum(xp: Any, x: Any, /, *, axis: int, include_initial: bool = Fal
     """
     if _torch_namespace(x) is None:
         return xp.cumulative_sum(x, axis=axis, include_initial=include_initial)
-    inclusive = sys.modules["torch"].cumsum(x, dim=axis)
+    inclusive = _torch().cumsum(x, dim=axis)
     if not include_initial:
         return inclusive
     shape = list(x.shape)
@@ -182,7 +194,7 @@ def unstack(xp: Any, x: Any, /, *, axis: int) -> tuple[Any, ...]:
     """
     if _torch_namespace(x) is None:
         return tuple(xp.unstack(x, axis=axis))
-    return tuple(sys.modules["torch"].unbind(x, dim=axis))
+    return tuple(_torch().unbind(x, dim=axis))
 
 
 def native_elu_plus_one(x: Any) -> Any | None:
@@ -222,7 +234,7 @@ def keep_lower(xp: Any, x: Any, mask: Any, *, strict: bool = False) -> Any:
     scores. A broadcast view is made contiguous first: ``tril`` of one (a scalar gate's
     repeated log decays) measured 8x slower than the copy and ``tril`` together."""
     if _torch_namespace(x) is not None:
-        return sys.modules["torch"].tril(x.contiguous(), diagonal=-1 if strict else 0)
+        return _torch().tril(x.contiguous(), diagonal=-1 if strict else 0)
     return xp.where(mask, x, 0.0)
 
 
@@ -237,7 +249,7 @@ def add_outer(xp: Any, S: Any, *pairs: tuple[Any, Any]) -> Any:
     saves)."""
     if _torch_namespace(S) is not None:
         for x, y in pairs:
-            S = sys.modules["torch"].addcmul(S, x[..., :, None], y[..., None, :])
+            S = _torch().addcmul(S, x[..., :, None], y[..., None, :])
         return S
     if len(pairs) == 2 and _is_numpy_array(S) and S.size >= _RANK_TWO_MATMUL:
         (x1, y1), (x2, y2) = pairs
@@ -259,7 +271,7 @@ def vector_times_matrix(xp: Any, x: Any, S: Any) -> Any:
     the same leading dimensions. PyTorch: one ``bmm`` of the flattened batch, which measured
     2.3x faster than ``@`` on a decoding step's five-dimensional state (7 against 16 us)."""
     if _torch_namespace(S) is not None:
-        torch = sys.modules["torch"]
+        torch = _torch()
         m, n = S.shape[-2:]
         product = torch.bmm(x.reshape(-1, 1, m), S.reshape(-1, m, n))
         return product.reshape(*S.shape[:-2], n)
@@ -272,7 +284,7 @@ def nonpositive(xp: Any, x: Any) -> Any:
     whose gradient is the same; NumPy (no gradients): one ``minimum``. One operation instead
     of two, in every decoding step."""
     if _torch_namespace(x) is not None:
-        return sys.modules["torch"].clamp(x, max=0.0)
+        return _torch().clamp(x, max=0.0)
     if _is_numpy_array(x):
         return xp.minimum(x, 0.0)
     return xp.where(x > 0.0, 0.0, x)
@@ -292,7 +304,7 @@ def eager_cpu(xp: Any, dev: Any) -> bool:
         return False
     # Under torch.compile the whole call becomes one graph that the compiler fuses and
     # schedules: blocks would only unroll into a graph that grows with T.
-    return not sys.modules["torch"].compiler.is_compiling()
+    return not _torch().compiler.is_compiling()
 
 
 def cpu_threads(xp: Any) -> int:
@@ -306,7 +318,7 @@ def cpu_threads(xp: Any) -> int:
     (``docs/performance.md``, "Blocks and threads")."""
     if _library(xp) != "torch":
         return 1
-    return max(1, int(sys.modules["torch"].get_num_threads()))
+    return max(1, int(_torch().get_num_threads()))
 
 
 def scans_tokens(xp: Any, x: Any) -> bool:
@@ -352,7 +364,7 @@ def compiling(x: Any) -> bool:
     Such code runs once, to build the graph: no locks (Dynamo cannot trace them) and no caching
     of what it makes (the tensors are placeholders of the graph being built).
     """
-    torch = sys.modules.get("torch")
+    torch = _TORCH if _TORCH is not None else sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor) and torch.compiler.is_compiling()
 
 
@@ -361,7 +373,7 @@ def outside_graph(function: Callable[..., Any]) -> Callable[..., Any]:
 
     Only call it where :func:`compiling` is true (torch is then imported).
     """
-    return sys.modules["torch"].compiler.disable(function)
+    return _torch().compiler.disable(function)
 
 
 def cacheable(x: Any) -> bool:
@@ -398,8 +410,8 @@ def eager_constants(xp: Any) -> AbstractContextManager[Any]:
     library = _library(xp)
     if library in _JAX and "jax" in sys.modules:
         return sys.modules["jax"].ensure_compile_time_eval()
-    if library == "torch" and "torch" in sys.modules:
-        torch = sys.modules["torch"]
+    if library == "torch" and _TORCH is not None:
+        torch = _torch()
         # While torch.compile traces, a constant is part of the graph being built (and
         # Dynamo cannot enter inference_mode): there is nothing to keep eagerly.
         return nullcontext() if torch.compiler.is_compiling() else torch.inference_mode(False)

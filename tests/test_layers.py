@@ -530,6 +530,34 @@ def test_bad_input() -> None:
         GatedLinearAttention(hidden_size=HIDDEN, gate_fn="relu")
 
 
+@pytest.mark.parametrize("cls", [GatedDeltaNet, KimiDeltaAttention, GatedLinearAttention, Mamba2])
+def test_bad_input_dtype_and_caches_name_the_argument(cls) -> None:
+    """A float64 input to a float32 layer, and caches of another batch, of another layer or
+    with a missing part, are errors that name the argument, in the cache's own terms."""
+    options = {"head_dim": 8, "state_size": 4} if cls is Mamba2 else {"num_heads": 2}
+    layer = cls(hidden_size=HIDDEN, **options)
+    other = (Mamba2(hidden_size=HIDDEN, head_dim=8, state_size=4) if cls is not Mamba2
+             else GatedDeltaNet(hidden_size=HIDDEN, num_heads=2, head_dim=4))  # fmt: skip
+    x = torch.randn(2, 3, HIDDEN)
+    with pytest.raises(TypeError, match=r"^x has dtype torch.float64 but the layer's weights"):
+        layer(x.double())
+    with pytest.raises(TypeError, match=r"^x_t has dtype torch.float64"):
+        layer.step(x[:, 0].double())
+    _, cache = layer(x, return_cache=True)
+    with pytest.raises(ValueError, match=r"^cache\.(conv_state\[0\]|recurrent_state) .*batch=3"):
+        layer.step(torch.randn(3, HIDDEN), cache)
+    _, foreign = other(x, return_cache=True)
+    with pytest.raises((TypeError, ValueError), match="another layer's cache"):
+        layer.step(x[:, 0], foreign)
+    missing = LayerCache(cache.conv_state, None)
+    with pytest.raises(TypeError, match=r"^cache.recurrent_state must be"):
+        layer.step(x[:, 0], missing)
+    with pytest.raises(ValueError, match=r"^cache.conv_state must be a tuple"):
+        layer.step(x[:, 0], LayerCache(None, cache.recurrent_state))
+    y, _ = layer.step(x[:, 0], cache)  # the good cache still works
+    assert y.shape == (2, HIDDEN)
+
+
 def test_decode_benchmark_runs_tiny(tmp_path, capsys) -> None:
     """benchmarks/layer_decode.py at a tiny size: its rows, its overhead, its JSON (it also
     checks that its bare calls give the layer's step)."""

@@ -20,6 +20,7 @@ __all__ = [
     "RMSNorm",
     "ShortConvolution",
     "check_cache",
+    "check_dtype",
     "check_hidden",
     "convolve",
     "grouped_state",
@@ -297,16 +298,52 @@ def convolve(
     return outputs, tuple(new_states)
 
 
-def check_cache(cache: Any, convs: int) -> None:
-    """A cache given back to a layer is a :class:`LayerCache` with ``convs`` conv states."""
+def check_cache(cache: Any, convs: int, batch: int, state_kind: type) -> None:
+    """A cache given back to a layer is a :class:`LayerCache` with ``convs`` conv states and a
+    recurrent state of ``state_kind`` (a tensor, or a :class:`~polylin.LinearAttentionState`),
+    each for ``batch`` sequences; the shapes past the batch are checked where they are used."""
     if cache is None:
         return
     if not isinstance(cache, LayerCache):
         raise TypeError(f"cache must be a polylin.torch.LayerCache, got {type(cache).__name__}")
-    if len(cache.conv_state) != convs:
+    conv_state = cache.conv_state
+    if not isinstance(conv_state, tuple) or len(conv_state) != convs:
+        got = len(conv_state) if isinstance(conv_state, tuple) else type(conv_state).__name__
         raise ValueError(
-            f"cache has {len(cache.conv_state)} convolution states; this layer has {convs} "
+            f"cache.conv_state must be a tuple of {convs} convolution states for this layer, "
+            f"got {got} (is it another layer's cache?)"
+        )
+    for i, state in enumerate(conv_state):
+        if not isinstance(state, torch.Tensor) or state.ndim != 3 or state.shape[0] != batch:
+            got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
+            raise ValueError(
+                f"cache.conv_state[{i}] must be a tensor (batch, width - 1, channels) for "
+                f"batch={batch}, got {got}"
+            )
+    state = cache.recurrent_state
+    kind = "a torch.Tensor" if state_kind is torch.Tensor else "a polylin.LinearAttentionState"
+    if not isinstance(state, state_kind):
+        raise TypeError(
+            f"cache.recurrent_state must be {kind} for this layer, got {type(state).__name__} "
             "(is it another layer's cache?)"
+        )
+    first = state if state_kind is torch.Tensor else state[0]
+    if not isinstance(first, torch.Tensor) or first.ndim < 1 or first.shape[0] != batch:
+        got = tuple(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
+        raise ValueError(
+            f"cache.recurrent_state is for another batch: batch={batch} here, got shape {got}"
+        )
+
+
+def check_dtype(x: torch.Tensor, name: str, module: nn.Module) -> None:
+    """``x`` has the dtype of the layer's input projection (a mixed-dtype matmul would fail
+    deep inside, naming neither; parameters kept in float32 on purpose do not count)."""
+    linear = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
+    weight = None if linear is None else linear.weight
+    if weight is not None and x.dtype != weight.dtype:
+        raise TypeError(
+            f"{name} has dtype {x.dtype} but the layer's weights have dtype {weight.dtype}; "
+            f"convert the input ({name}.to({weight.dtype})) or the layer (layer.to({x.dtype}))"
         )
 
 
@@ -354,6 +391,8 @@ class Block(nn.Module):
     """
 
     hidden_size: int
+    #: The type of the cache's recurrent state: one tensor, or a LinearAttentionState.
+    _state_kind: type = torch.Tensor
 
     def _convs(self) -> list[ShortConvolution]:
         """The block's short convolutions, in the order of the cache's ``conv_state``."""
@@ -408,7 +447,8 @@ class Block(nn.Module):
         (torch.Size([2, 6, 16]), True)
         """
         check_hidden(x, "x", 3, self.hidden_size)
-        check_cache(cache, len(self._convs()))
+        check_dtype(x, "x", self)
+        check_cache(cache, len(self._convs()), x.shape[0], self._state_kind)
         mask = padding_mask(attention_mask, tuple(x.shape[:2]))
         if mask is not None:
             x = torch.where(mask[..., None], x, 0.0)
@@ -455,7 +495,8 @@ class Block(nn.Module):
         torch.Size([3, 16])
         """
         check_hidden(x_t, "x_t", 2, self.hidden_size)
-        check_cache(cache, len(self._convs()))
+        check_dtype(x_t, "x_t", self)
+        check_cache(cache, len(self._convs()), x_t.shape[0], self._state_kind)
         mask = padding_mask(attention_mask, (x_t.shape[0],))
         if mask is not None:
             x_t = torch.where(mask[:, None], x_t, 0.0)

@@ -136,6 +136,8 @@ class GatedLinearAttention(Block):
     True
     """
 
+    _state_kind = LinearAttentionState
+
     def __init__(
         self,
         *,

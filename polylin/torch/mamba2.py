@@ -130,6 +130,8 @@ class Mamba2(Block):
     True
     """
 
+    _state_kind = LinearAttentionState
+
     def __init__(
         self,
         num_heads: int | None = None,
