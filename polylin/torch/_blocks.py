@@ -308,17 +308,18 @@ def check_cache(cache: Any, convs: int, batch: int, state_kind: type) -> None:
         raise TypeError(f"cache must be a polylin.torch.LayerCache, got {type(cache).__name__}")
     conv_state = cache.conv_state
     if not isinstance(conv_state, tuple) or len(conv_state) != convs:
-        got = len(conv_state) if isinstance(conv_state, tuple) else type(conv_state).__name__
+        tuple_ = isinstance(conv_state, tuple)
+        got: object = len(conv_state) if tuple_ else type(conv_state).__name__
         raise ValueError(
             f"cache.conv_state must be a tuple of {convs} convolution states for this layer, "
             f"got {got} (is it another layer's cache?)"
         )
     for i, state in enumerate(conv_state):
         if not isinstance(state, torch.Tensor) or state.ndim != 3 or state.shape[0] != batch:
-            got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
+            shape = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
             raise ValueError(
                 f"cache.conv_state[{i}] must be a tensor (batch, width - 1, channels) for "
-                f"batch={batch}, got {got}"
+                f"batch={batch}, got {shape}"
             )
     state = cache.recurrent_state
     kind = "a torch.Tensor" if state_kind is torch.Tensor else "a polylin.LinearAttentionState"
@@ -329,9 +330,9 @@ def check_cache(cache: Any, convs: int, batch: int, state_kind: type) -> None:
         )
     first = state if state_kind is torch.Tensor else state[0]
     if not isinstance(first, torch.Tensor) or first.ndim < 1 or first.shape[0] != batch:
-        got = tuple(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
+        shape = tuple(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
         raise ValueError(
-            f"cache.recurrent_state is for another batch: batch={batch} here, got shape {got}"
+            f"cache.recurrent_state is for another batch: batch={batch} here, got shape {shape}"
         )
 
 
