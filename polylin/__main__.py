@@ -51,6 +51,17 @@ def _time_call(backend: Backend, fn: Callable[[], Any], repeats: int) -> tuple[o
     return out, statistics.median(times)
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (a usage error naming the option otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
+
 def demo(args: argparse.Namespace) -> int:
     """Run the three methods on every usable backend and print a table."""
     import numpy as np
@@ -127,10 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="{demo,backends,bench}")
 
     p_demo = sub.add_parser("demo", help="run every method on every usable backend")
-    p_demo.add_argument("--batch", type=int, default=4, help="batch x heads (default 4)")
-    p_demo.add_argument("--seq-len", type=int, default=256, help="sequence length T (default 256)")
-    p_demo.add_argument("--dim", type=int, default=32, help="d_k = d_v (default 32)")
-    p_demo.add_argument("--repeats", type=int, default=3, help="timed repeats (median shown)")
+    p_demo.add_argument("--batch", type=_positive_int, default=4, help="batch x heads (default 4)")
+    p_demo.add_argument(
+        "--seq-len", type=_positive_int, default=256, help="sequence length T (default 256)"
+    )
+    p_demo.add_argument("--dim", type=_positive_int, default=32, help="d_k = d_v (default 32)")
+    p_demo.add_argument(
+        "--repeats", type=_positive_int, default=3, help="timed repeats (median shown)"
+    )
     p_demo.add_argument(
         "--backends",
         nargs="+",

@@ -43,8 +43,15 @@ __all__ = [
 
 
 def check_log_decay_number(log_decay: SupportsFloat) -> float:
-    """A number ``log_decay`` as a float; a ``ValueError`` unless it is finite and ``<= 0``."""
+    """A number ``log_decay`` as a float; a ``ValueError`` unless it is finite and ``<= 0`` (a
+    ``-inf`` reset belongs in an array, at the tokens it resets)."""
     value = float(log_decay)
+    if value == -math.inf:
+        raise ValueError(
+            f"log_decay must be a finite number <= 0, got {log_decay}: a number is one decay for "
+            "every token, and -inf would reset the state at each of them; to reset the state at "
+            "chosen tokens pass a log_decay array with -inf there"
+        )
     if not (math.isfinite(value) and value <= 0):
         raise ValueError(
             f"log_decay must be a finite number <= 0 (a decay factor exp(log_decay) in (0, 1]), "

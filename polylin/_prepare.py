@@ -16,24 +16,32 @@ from typing import Any
 
 from ._policy import array_namespace, is_array
 from ._validation import AttentionInputs
-from .feature_maps import elu_plus_one
+from .feature_maps import FavorPlusFeatureMap, dpfp, elu_plus_one, favor_plus
 
 __all__ = ["apply_feature_map", "finish", "map_features", "resolve_feature_map", "select"]
 
 
 def resolve_feature_map(
-    feature_map: Callable[[Any], Any] | None,
+    feature_map: Callable[[Any], Any] | None, *, dim: int | str = "d_k"
 ) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
     """The maps of the queries and of the keys: ``elu_plus_one`` for ``None``.
 
     A map may treat queries differently (FAVOR+ shifts each query row by its max, which cancels
-    between numerator and normalizer; a per-key shift would not): see ``map_query``.
+    between numerator and normalizer; a per-key shift would not): see ``map_query``. A factory
+    of :mod:`polylin.feature_maps` passed itself (``favor_plus`` for ``favor_plus(d_k)``) is a
+    ``TypeError`` saying how to call it; ``dim`` is the key size shown there.
     """
     if feature_map is None:
         return elu_plus_one, elu_plus_one
     if not callable(feature_map):
         raise TypeError(
             f"feature_map must be a callable from array to array, got {type(feature_map).__name__}"
+        )
+    if feature_map is favor_plus or feature_map is dpfp:
+        call = f"favor_plus({dim})" if feature_map is favor_plus else "dpfp()"
+        raise TypeError(
+            f"feature_map={feature_map.__name__} is the factory that builds a feature map, not "
+            f"a feature map: call it, e.g. feature_map={call}"
         )
     return getattr(feature_map, "map_query", feature_map), feature_map
 
@@ -54,11 +62,26 @@ def apply_feature_map(
     k: Any,
     *,
     names: tuple[str, str] = ("q", "k"),
+    shapes: tuple[tuple, tuple] | None = None,
 ) -> tuple[Any, Any]:
-    """Return ``phi(q), phi(k)`` in the work dtype, checking what the feature map returned."""
-    map_query, map_key = resolve_feature_map(feature_map)
+    """Return ``phi(q), phi(k)`` in the work dtype, checking what the feature map returned.
+
+    ``shapes`` are the shapes of ``q`` and ``k`` as the caller passed them, for the message of
+    a map built for another size (the chunked form maps a one-token probe here; default: the
+    shapes of ``q`` and ``k``).
+    """
+    map_query, map_key = resolve_feature_map(feature_map, dim=q.shape[-1])
+    if shapes is None:
+        shapes = (tuple(q.shape), tuple(k.shape))
     mapped = []
-    for name, x, phi in ((names[0], q, map_query), (names[1], k, map_key)):
+    for name, x, shape, phi in ((names[0], q, shapes[0], map_query),
+                                (names[1], k, shapes[1], map_key)):  # fmt: skip
+        if isinstance(feature_map, FavorPlusFeatureMap) and x.shape[-1] != feature_map.dim:
+            raise ValueError(
+                f"{name} has shape {shape}, d_k={x.shape[-1]}, but feature_map={feature_map!r} "
+                f"maps d_k={feature_map.dim}; build it for these inputs: "
+                f"favor_plus({x.shape[-1]}, ...)"
+            )
         fx = phi(inputs.to_work_dtype(x))
         _check_mapped(inputs, name, x, fx)
         mapped.append(inputs.to_work_dtype(fx))

@@ -117,9 +117,9 @@ def causal_linear_attention(
         gate per token, e.g. ``(heads, 1, 1)`` for a fixed decay per head) or ``d_phi`` (one
         per feature channel). With ``seq_axis`` other than -2 an array has the full rank of
         ``q``, in the inputs' layout (a number or a 0-d array broadcasts in any layout). A decay
-        never amplifies the state: a number above 0 is a ``ValueError``, array values above 0
-        are taken as 0 (their gradient is 0), and ``-inf`` is an exact reset. Gradients flow
-        to it.
+        never amplifies the state: a number must be finite and ``<= 0`` (else a
+        ``ValueError``), array values above 0 are taken as 0 (their gradient is 0), and an
+        array value of ``-inf`` is an exact reset. Gradients flow to it.
     normalize : bool
         Divide by the normalizer ``phi(q_t) . z_t + eps``; ``False`` returns the numerator
         ``phi(q_t) S_t`` (RetNet, GLA and Mamba-2 do not normalize; ``eps`` is then unused).
@@ -209,9 +209,11 @@ def causal_linear_attention(
     q, k, v = (select(xp, mask, x) for x in (q, k, v))
     v = inputs.to_work_dtype(v)
 
+    shapes = (layout.caller_shape(tuple(q.shape)), layout.caller_shape(tuple(k.shape)))
+
     def features(q: Array, k: Array, mask: Array | None) -> tuple[Array, Array]:
         # A feature map acts on each token alone, so the chunked form maps block by block.
-        fq, fk = apply_feature_map(inputs, feature_map, q, k)
+        fq, fk = apply_feature_map(inputs, feature_map, q, k, shapes=shapes)
         # phi(0) is not 0: masked keys are selected away again after the map.
         return fq, select(xp, mask, fk)
 
@@ -355,7 +357,8 @@ def linear_attention(
         mask = check_mask(inputs, attention_mask, k.shape[-2], layout)
         query_mask = mask if q.shape[-2] == k.shape[-2] else None
     k, v = select(xp, mask, k), select(xp, mask, v)
-    fq, fk = apply_feature_map(inputs, feature_map, select(xp, query_mask, q), k)
+    shapes = (layout.caller_shape(tuple(q.shape)), layout.caller_shape(tuple(k.shape)))
+    fq, fk = apply_feature_map(inputs, feature_map, select(xp, query_mask, q), k, shapes=shapes)
     fk = select(xp, mask, fk)
     v = inputs.to_work_dtype(v)
     S = matmul(xp, xp.matrix_transpose(fk), v)
@@ -438,7 +441,8 @@ def masked_kernel_attention(
     check_normalize(normalize)
     if log_decay is not None and not causal:
         raise ValueError("log_decay needs causal=True (a decay runs forward in time)")
-    fq, fk = apply_feature_map(inputs, feature_map, q, k)
+    shapes = (layout.caller_shape(tuple(q.shape)), layout.caller_shape(tuple(k.shape)))
+    fq, fk = apply_feature_map(inputs, feature_map, q, k, shapes=shapes)
     v = inputs.to_work_dtype(v)
     S, z = check_state(inputs, None, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="state")
     decay = check_log_decay(

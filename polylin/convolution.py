@@ -14,6 +14,7 @@ from ._policy import device as device_of
 from ._typing import Array
 from ._validation import (
     AttentionInputs,
+    check_flag,
     check_mask,
     check_token_mask,
     namespace_of,
@@ -159,7 +160,7 @@ def causal_conv1d(
     ------
     TypeError
         Non-arrays, arrays of several libraries, non-floating or mismatched dtypes, a state of
-        another dtype than the work dtype.
+        another dtype than the work dtype, a ``return_state`` that is not a bool.
     ValueError
         Mismatched shapes, an unknown activation.
 
@@ -186,6 +187,7 @@ def causal_conv1d(
     """
     layout, x = standard_layout(seq_axis, x=x)
     inputs = _check_arrays(x, weight, bias, activation, name="x", core=2)
+    check_flag("return_state", return_state)
     xp = inputs.xp
     width = weight.shape[1]
     lead = inputs.batch_shape

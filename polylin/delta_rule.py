@@ -131,9 +131,9 @@ def delta_rule_attention(
         ``log a_t <= 0``: ``None`` (no decay), a number, or a real floating array
         broadcastable to ``(..., T, 1)`` (one gate per token, e.g. ``-softplus(x)``) or to
         ``(..., T, d_k)`` (one gate per key channel). A decay never amplifies the state: a
-        number above 0 is a ``ValueError``, array values above 0 are taken as 0 (the policy of
-        every entry point; see the docs page "Numerics and non-finite values"); ``-inf``
-        resets the state.
+        number must be finite and ``<= 0`` (else a ``ValueError``), array values above 0 are
+        taken as 0 (the policy of every entry point; see the docs page "Numerics and
+        non-finite values"); an array value of ``-inf`` resets the state.
     scale : float
         Multiplies the (normalized) queries: ``o_t = scale * S_t^T q_t`` (models use
         ``d_k ** -0.5``). A finite real number.
@@ -278,8 +278,9 @@ def delta_rule_step(
         may broadcast); ``None`` starts from zeros.
     log_decay : float or array, optional
         ``log a_t <= 0`` of this token: ``None``, a number, or an array broadcastable to
-        ``(..., 1)`` (one gate) or ``(..., d_k)`` (one per key channel); a number above 0 is an
-        error, array values above 0 are taken as 0, ``-inf`` resets the state.
+        ``(..., 1)`` (one gate) or ``(..., d_k)`` (one per key channel); a number must be
+        finite and ``<= 0``, array values above 0 are taken as 0, an array value of ``-inf``
+        resets the state.
     scale : float
         Multiplies the (normalized) query: ``o_t = scale * S_t^T q_t``.
     qk_l2norm : bool

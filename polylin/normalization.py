@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ._policy import array_namespace
 from ._typing import Array
-from ._validation import namespace_of, work_dtype_for
+from ._validation import _broadcasts_to, check_flag, check_options, namespace_of, work_dtype_for
 from .activations import sigmoid, silu
 
 __all__ = ["GATE_ACTIVATIONS", "rms_norm"]
@@ -39,11 +40,12 @@ def rms_norm(
         ``(..., d)``. To normalize groups of channels separately (Mamba-2's ``n_groups``),
         reshape to ``(..., groups, d // groups)`` and the weight to ``(groups, d // groups)``.
     weight : array, optional
-        Broadcastable to ``x``, usually ``(d,)``; ``None``: no scale.
+        Broadcastable to the shape of ``x`` (it may not enlarge it), usually ``(d,)``;
+        ``None``: no scale.
     gate : array, optional
         The shape of ``x``.
     eps : float
-        Added to the mean square; > 0.
+        Added to the mean square; > 0 and finite.
     activation : {"silu", "swish", "sigmoid"}
         The gate's activation (``"swish"`` is ``"silu"``; KDA uses ``"sigmoid"``).
     norm_before_gate : bool
@@ -57,9 +59,11 @@ def rms_norm(
     Raises
     ------
     TypeError
-        Non-arrays, arrays of several libraries, non-floating or mismatched dtypes.
+        Non-arrays, arrays of several libraries, non-floating or mismatched dtypes, an ``eps``
+        that is not a real number, a ``norm_before_gate`` that is not a bool.
     ValueError
-        ``eps <= 0``, an unknown activation, a gate of another shape than ``x``.
+        ``eps`` not > 0 and finite, an unknown activation, a gate of another shape than ``x``,
+        a weight that does not broadcast to the shape of ``x``.
 
     Examples
     --------
@@ -87,10 +91,17 @@ def rms_norm(
         raise ValueError(
             f"gate must have the shape of x, {tuple(x.shape)}; got {tuple(gate.shape)}"
         )
+    if weight is not None and not _broadcasts_to(tuple(weight.shape), tuple(x.shape), 0):
+        raise ValueError(
+            f"weight must broadcast to the shape of x, {tuple(x.shape)}, usually (d,) = "
+            f"{tuple(x.shape[-1:])}; got {tuple(weight.shape)}"
+        )
     if activation not in GATE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {GATE_ACTIVATIONS}, got {activation!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    eps = check_options(eps=eps).eps
+    if not math.isfinite(eps):
+        raise ValueError(f"eps must be > 0 and finite, got {eps}")
+    check_flag("norm_before_gate", norm_before_gate)
     work = work_dtype_for(xp, x.dtype)
 
     def cast(a: Any) -> Any:

@@ -268,6 +268,9 @@ def test_bad_input(backend, rng) -> None:
     with pytest.raises(ValueError, match="attention_mask of a decoding step must have the batch "
                        "shape of x_t"):  # fmt: skip
         causal_conv1d_step(x[:, 0, :], w, attention_mask=backend.from_numpy(np.ones(3, bool)))
+    for flag in [1, "yes", None, np.True_]:
+        with pytest.raises(TypeError, match=r"^return_state must be True or False"):
+            causal_conv1d(x, w, return_state=flag)
 
 
 def test_jax_transforms_of_x_with_concrete_weights(rng) -> None:

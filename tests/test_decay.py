@@ -380,6 +380,29 @@ def test_bad_log_decay(log_decay, error, match, rng):
         causal_linear_attention(q, k, v, log_decay=log_decay)
 
 
+def test_a_number_minus_inf_says_a_reset_is_an_array_value(rng):
+    """A number log_decay must be finite (docs/numerics.md): -inf would reset the state at every
+    token; the error says that a reset is a -inf array value, at every entry point."""
+    q, k, v = inputs(rng, 10)
+    beta = np.full((B, H, 10, 1), 0.5)
+    calls = [
+        *(lambda g, m=m: causal_linear_attention(q, k, v, method=m, log_decay=g)
+          for m in polylin.METHODS),
+        lambda g: masked_kernel_attention(q, k, v, log_decay=g),
+        lambda g: step(q[..., 0, :], k[..., 0, :], v[..., 0, :], log_decay=g),
+        *(lambda g, m=m: polylin.delta_rule_attention(q, k, v, beta, method=m, log_decay=g)
+          for m in polylin.DELTA_METHODS),
+        lambda g: polylin.delta_rule_step(q[..., 0, :], k[..., 0, :], v[..., 0, :], 0.5,
+                                          log_decay=g),
+    ]  # fmt: skip
+    for call in calls:
+        for g in (-np.inf, np.float32(-np.inf)):
+            with pytest.raises(ValueError, match=r"^log_decay must be a finite number <= 0, "
+                               r"got -inf: .* pass a log_decay array with -inf there"):  # fmt: skip
+                call(g)
+        call(np.full((1, 1), -np.inf))  # the array is the documented reset
+
+
 def test_bad_log_decay_library_and_options(rng):
     torch = pytest.importorskip("torch")
     q, k, v = inputs(rng, 10)

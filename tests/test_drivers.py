@@ -121,3 +121,15 @@ def test_demo_prints_one_row_per_dtype_and_method(backend, capsys):
         (d, m) for d in ("float64", "float32") for m in ("chunked", "recurrent", "quadratic")
     ]
     assert all(float(r[4]) < {"float64": 1e-12, "float32": 1e-5}[r[2]] for r in rows)
+
+
+@pytest.mark.parametrize(
+    "argv", [["--seq-len", "0"], ["--dim", "0"], ["--batch", "-1"], ["--repeats", "0"],
+             ["--dim", "x"]],
+)  # fmt: skip
+def test_demo_sizes_must_be_positive_ints(argv, capsys):
+    """A size below 1 is a usage error naming the option (exit status 2), not a traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", *argv, "--backends", "numpy"])
+    assert exit_info.value.code == 2
+    assert f"argument {argv[0]}: expected a positive int, got" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import array_api_compat
 import numpy as np
@@ -452,6 +453,32 @@ def test_favor_plus_rejects_wrong_input_size():
         causal_linear_attention(*np.zeros((3, 2, 3)), phi)
     with pytest.raises(TypeError, match=r"real floating inputs, got x of dtype int64"):
         phi(np.zeros((2, 4), dtype=np.int64))
+
+
+def test_favor_plus_of_another_size_names_the_callers_input():
+    """A map built for d_k=3 on keys of d_k=4: the error names q and its shape as passed (not
+    the chunked form's one-token probe, nor the standard layout) and the map's size."""
+    phi = favor_plus(3, 8)
+    q, v = np.zeros((2, 8, 4)), np.zeros((2, 8, 3))
+    want = r"^q has shape \(2, 8, 4\), d_k=4, but feature_map=favor_plus\(dim=3, .*maps d_k=3"
+    for method in polylin.METHODS:
+        with pytest.raises(ValueError, match=want):
+            causal_linear_attention(q, q, v, phi, method=method, chunk_size=4)
+    for fn in (linear_attention, masked_kernel_attention):
+        with pytest.raises(ValueError, match=want):
+            fn(q, q, v, phi)
+    with pytest.raises(ValueError, match=r"^q has shape \(8, 2, 4\), d_k=4"):
+        causal_linear_attention(*(x.transpose(1, 0, 2) for x in (q, q, v)), phi, seq_axis=0)
+    with pytest.raises(ValueError, match=r"^q_t has shape \(2, 4\), d_k=4, .*maps d_k=3"):
+        step(q[:, 0], q[:, 0], v[:, 0], None, phi)
+
+
+@pytest.mark.parametrize(("factory", "call"), [(favor_plus, "favor_plus(4)"), (dpfp, "dpfp()")])
+def test_a_factory_itself_is_not_a_feature_map(factory, call):
+    q = np.zeros((2, 8, 4))
+    with pytest.raises(TypeError, match=rf"^feature_map={factory.__name__} is the factory .* "
+                       rf"call it, e\.g\. feature_map={re.escape(call)}$"):  # fmt: skip
+        causal_linear_attention(q, q, q, factory)
 
 
 def test_favor_plus_under_jax_jit_does_not_cache_tracers():

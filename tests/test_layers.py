@@ -29,6 +29,7 @@ from polylin.torch import (  # noqa: E402
     LayerCache,
     LinearAttention,
     Mamba2,
+    RMSNorm,
 )
 
 HIDDEN = 16
@@ -528,6 +529,36 @@ def test_bad_input() -> None:
         Mamba2(num_heads=3, hidden_size=HIDDEN, head_dim=8)
     with pytest.raises(ValueError, match="gate_fn"):
         GatedLinearAttention(hidden_size=HIDDEN, gate_fn="relu")
+
+
+@pytest.mark.parametrize("cls", [GatedDeltaNet, KimiDeltaAttention, GatedLinearAttention, Mamba2])
+def test_flags_must_be_bools(cls) -> None:
+    """return_cache, and the flags of RMSNorm, are True or False: a string or a number would
+    be truthy or falsy by accident."""
+    options = {"head_dim": 8, "state_size": 4} if cls is Mamba2 else {"num_heads": 2}
+    layer = cls(hidden_size=HIDDEN, **options)
+    for flag in ["yes", 1, None, np.True_]:
+        with pytest.raises(TypeError, match=r"^return_cache must be True or False, got"):
+            layer(torch.randn(1, 3, HIDDEN), return_cache=flag)
+    for name in ["norm_before_gate", "elementwise_affine"]:
+        with pytest.raises(TypeError, match=rf"^{name} must be True or False, got str"):
+            RMSNorm(HIDDEN, **{name: "no"})
+
+
+def test_mamba2_dt_limit_is_a_range() -> None:
+    for dt_limit, error, match in [
+        ((0.1, 0.01), ValueError, r"^dt_limit must be \(low, high\) with low <= high, got "
+                                  r"\(0.1, 0.01\)"),
+        ((float("nan"), 1.0), ValueError, r"^dt_limit must be \(low, high\) with low <= high"),
+        ((0.0, float("nan")), ValueError, r"^dt_limit must be \(low, high\) with low <= high"),
+        ((0.0, 1.0, 2.0), ValueError, r"^dt_limit must be a pair of numbers \(low, high\)"),
+        (("a", "b"), ValueError, r"^dt_limit must be a pair of numbers"),
+        (0.1, TypeError, r"^dt_limit must be a pair \(low, high\), got float"),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=match):
+            Mamba2(hidden_size=HIDDEN, head_dim=8, state_size=4, dt_limit=dt_limit)
+    layer = Mamba2(hidden_size=HIDDEN, head_dim=8, state_size=4, dt_limit=[0.01, 0.01])
+    assert layer.dt_limit == (0.01, 0.01)
 
 
 @pytest.mark.parametrize("cls", [GatedDeltaNet, KimiDeltaAttention, GatedLinearAttention, Mamba2])

@@ -118,3 +118,22 @@ def test_bad_input(backend, rng) -> None:
         rms_norm(x, eps=0.0)
     with pytest.raises(TypeError, match="weight has dtype"):
         rms_norm(x, backend.from_numpy(np.ones(4), "float32"))
+
+
+def test_bad_weight_eps_and_flag_name_the_argument(backend, rng) -> None:
+    """A weight that does not broadcast to x (or would enlarge it), an eps that is not a
+    finite number > 0 and a norm_before_gate that is not a bool are errors naming them."""
+    x = backend.from_numpy(rng.standard_normal((3, 4)))
+    for shape in [(2, 4), (5,), (1, 3, 4)]:
+        with pytest.raises(ValueError, match=rf"^weight must broadcast to the shape of x, "
+                           rf"\(3, 4\), usually \(d,\) = \(4,\); got \({shape[0]}"):  # fmt: skip
+            rms_norm(x, backend.from_numpy(np.ones(shape)))
+    assert rms_norm(x, backend.from_numpy(np.ones((1, 4)))).shape == (3, 4)  # size 1 broadcasts
+    for eps in [float("inf"), float("nan"), -1e-5]:
+        with pytest.raises(ValueError, match=r"^eps must be > 0"):
+            rms_norm(x, eps=eps)
+    with pytest.raises(TypeError, match=r"^eps must be a positive real number, got str"):
+        rms_norm(x, eps="1e-5")
+    for flag in ["no", None, np.True_]:
+        with pytest.raises(TypeError, match=r"^norm_before_gate must be True or False"):
+            rms_norm(x, gate=x, norm_before_gate=flag)

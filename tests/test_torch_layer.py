@@ -273,6 +273,9 @@ def test_constructor_errors() -> None:
         LinearAttention(8, 2, method="fast")
     with pytest.raises(TypeError, match="feature_map must be a callable"):
         LinearAttention(8, 2, feature_map="elu")
+    with pytest.raises(TypeError, match=r"^feature_map=favor_plus is the factory .* call it, "
+                       r"e\.g\. feature_map=favor_plus\(4\)$"):  # fmt: skip
+        LinearAttention(8, 2, feature_map=polylin.feature_maps.favor_plus)
 
 
 def test_non_causal_layer_has_no_state() -> None:

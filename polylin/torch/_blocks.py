@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .._state import LinearAttentionState
+from .._validation import check_flag
 from ..convolution import causal_conv1d, causal_conv1d_step
 from ..normalization import rms_norm
 
@@ -199,6 +200,8 @@ class RMSNorm(nn.Module):
         dtype: Any = None,
     ) -> None:
         super().__init__()
+        check_flag("norm_before_gate", norm_before_gate)
+        check_flag("elementwise_affine", elementwise_affine)
         self.hidden_size, self.eps, self.activation = hidden_size, eps, activation
         self.norm_before_gate, self.group_size = norm_before_gate, group_size
         if group_size is not None and hidden_size % group_size:
@@ -448,6 +451,7 @@ class Block(nn.Module):
         (torch.Size([2, 6, 16]), True)
         """
         check_hidden(x, "x", 3, self.hidden_size)
+        check_flag("return_cache", return_cache)
         check_dtype(x, "x", self)
         check_cache(cache, len(self._convs()), x.shape[0], self._state_kind)
         mask = padding_mask(attention_mask, tuple(x.shape[:2]))

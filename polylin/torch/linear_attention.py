@@ -14,6 +14,7 @@ from torch import nn
 
 from .._decay import check_log_decay_number
 from .._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
+from .._prepare import resolve_feature_map
 from .._state import LinearAttentionState
 from .._validation import is_real_number
 from ..attention import METHODS, causal_linear_attention, linear_attention
@@ -44,7 +45,8 @@ class LinearAttention(nn.Module):
         Positive feature map applied to each head's queries and keys; default
         :func:`polylin.feature_maps.elu_plus_one`. A map with its own size, such as
         ``favor_plus(head_dim, ...)``, is built for ``head_dim``. An :class:`torch.nn.Module`
-        (a learned feature map) is registered as a submodule and trained with the layer.
+        (a learned feature map) is registered as a submodule and trained with the layer. A
+        factory itself (``favor_plus`` rather than ``favor_plus(head_dim)``) is a ``TypeError``.
     causal : bool
         ``True`` (default): token t attends to tokens ``<= t`` (decoders, language models; the
         layer then has a state and ``step``). ``False``: every token attends to every token
@@ -141,10 +143,7 @@ class LinearAttention(nn.Module):
             raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if feature_map is not None and not callable(feature_map):
-            raise TypeError(
-                f"feature_map must be a callable from array to array, got {type(feature_map)}"
-            )
+        resolve_feature_map(feature_map, dim=head_dim)  # a callable, not a factory itself
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         self.causal, self.method, self.chunk_size, self.eps = causal, method, chunk_size, eps
         if not isinstance(normalize, bool):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .._state import LinearAttentionState
+from .._validation import is_real_number
 from ..activations import silu, softplus
 from ..attention import causal_linear_attention
 from ..decoding import step as attention_step
@@ -25,6 +26,22 @@ from ._blocks import (
 )
 
 __all__ = ["Mamba2"]
+
+
+def _check_dt_limit(dt_limit: Any) -> tuple[float, float]:
+    """``dt_limit`` as ``(low, high)``: two real numbers, not nan, ``low <= high``."""
+    try:
+        bounds = tuple(dt_limit)
+    except TypeError:
+        raise TypeError(
+            f"dt_limit must be a pair (low, high), got {type(dt_limit).__name__}"
+        ) from None
+    if len(bounds) != 2 or not all(is_real_number(b) for b in bounds):
+        raise ValueError(f"dt_limit must be a pair of numbers (low, high), got {dt_limit!r}")
+    low, high = (float(b) for b in bounds)
+    if math.isnan(low) or math.isnan(high) or low > high:
+        raise ValueError(f"dt_limit must be (low, high) with low <= high, got {dt_limit!r}")
+    return low, high
 
 
 class Mamba2(Block):
@@ -77,7 +94,8 @@ class Mamba2(Block):
     dt_min, dt_max, dt_init_floor : float
         Initialization of ``dt_bias`` (``softplus(dt_bias)`` log-uniform in ``[dt_min, dt_max]``).
     dt_limit : (float, float)
-        ``dt`` is clipped to this range (default: not at all).
+        ``dt`` is clipped to this range, ``(low, high)`` with ``low <= high`` (default: not at
+        all).
     use_bias : bool
         Whether ``in_proj`` and ``out_proj`` have biases.
     norm_eps : float
@@ -178,6 +196,7 @@ class Mamba2(Block):
             )
         if heads % n_groups:
             raise ValueError(f"num_heads={heads} must be a multiple of {n_groups=}")
+        dt_limit = _check_dt_limit(dt_limit)
         self.hidden_size, self.expand, self.intermediate_size = hidden_size, expand, intermediate
         self.head_dim, self.num_heads, self.ssm_state_size = head_dim, heads, state_size
         self.n_groups, self.conv_kernel_size, self.use_conv_bias = (
@@ -186,7 +205,7 @@ class Mamba2(Block):
             use_conv_bias,
         )
         self.D_has_hdim, self.rmsnorm, self.norm_before_gate = D_has_hdim, rmsnorm, norm_before_gate
-        self.dt_limit, self.norm_eps, self.use_bias = tuple(dt_limit), norm_eps, use_bias
+        self.dt_limit, self.norm_eps, self.use_bias = dt_limit, norm_eps, use_bias
         self.chunk_size, self.method = chunk_size, method
         self.conv_dim = intermediate + 2 * n_groups * state_size
         kw = {"device": device, "dtype": dtype}
