@@ -20,7 +20,10 @@ No exponent is formed as a difference of cumulative sums: ``P``, ``A`` and every
 built by :func:`polylin._intra_chunk.intra_chunk` from products of per-token factors
 ``exp(g_t) <= 1`` (a scalar gate's ``P`` from segment sums of the gate), so a ``-inf`` gate is
 an exact reset and float32 keeps its accuracy at strong gates. ``T = (I + A)^{-1}`` comes from
-the same levels (one quadrant per level feeds the scores and the inversion). The sequential
+the same levels (one quadrant per level feeds the scores and the inversion), or, where the
+library solves triangular systems (``_policy.unit_lower_solver``) and the gate is a scalar or
+absent, from one batched solve of ``A``, itself one matmul times the segment decay of the
+scores (:func:`_factored`). The sequential
 loop over chunks computes ``W = T (diag(beta) V - diag(beta) (K * exp(b)) S)``, ``T`` applied
 once to the whole right-hand side, and the state update.
 
@@ -36,8 +39,23 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ._intra_chunk import SCORES, SOLVE, intra_chunk, scalar_gate_scores
-from ._ops import causal_mask, dense, l2_normalize, matmul, pad_rows, read_state
+from ._intra_chunk import (
+    SCORES,
+    SOLVE,
+    IntraChunk,
+    intra_chunk,
+    scalar_gate_scores,
+    segment_decay,
+)
+from ._ops import (
+    causal_mask,
+    dense,
+    l2_normalize,
+    matmul,
+    matmul_add,
+    pad_rows,
+    read_state,
+)
 from ._policy import (
     add_outer,
     cpu_threads,
@@ -45,6 +63,7 @@ from ._policy import (
     device,
     eager_cpu,
     keep_lower,
+    unit_lower_solver,
     unstack,
 )
 
@@ -146,8 +165,14 @@ def delta_chunked(
     else:
         blocks = list(zip(*(unstack(xp, x, axis=-4) for x in arrays)))
         # A flattening reshape copies the strided block of q and k once (matmul would copy
-        # them at every use, and the key reshapes of the levels too).
-        blocks = [[dense(xp, x) for x in block[:2]] + list(block[2:]) for block in blocks]
+        # them at every use, and the key reshapes of the levels too), unless the block loop
+        # writes them anew anyway (normalized, or the queries scaled): one pass, not two.
+        rewritten = (qk_l2norm or scale != 1.0, qk_l2norm)
+        blocks = [
+            [x if new else dense(xp, x) for x, new in zip(block[:2], rewritten)]
+            + list(block[2:])
+            for block in blocks
+        ]
     causal = causal_mask(xp, chunk, chunk, device(k))
     pieces: list[Any] = []  # (..., chunks, C, d_v) each: all joined by one concatenation
     for block in blocks:
@@ -163,6 +188,49 @@ def delta_chunked(
     return (out if padded == T else out[..., :T, :]), S
 
 
+def _levels(
+    xp: Any, Q: Any, K: Any, B: Any, G: Any | None, causal: Any
+) -> tuple[Any, Any, IntraChunk]:
+    """The scores, the decayed queries and the :class:`IntraChunk` of :func:`_block` from the
+    levels of :func:`intra_chunk`, in the array API alone. The rows ``-diag(beta) K`` enter the
+    levels negated once: the levels then build ``(I + A)^{-1}`` directly, and their decayed rows
+    ``-diag(beta) K exp(b)`` enter the right-hand side of ``W`` without another negation."""
+    rows = K * (-B)  # negating beta (..., C, 1), not the keys
+    if G is None:
+        scores = keep_lower(xp, matmul(xp, Q, xp.matrix_transpose(K)), causal)
+        return scores, Q, intra_chunk(xp, K, None, [(rows, SOLVE)])
+    if G.shape[-1] == 1:  # a scalar gate factors its scores: one full matmul
+        scores = scalar_gate_scores(xp, Q, K, G, causal)
+        queries = Q * xp.exp(cumulative_sum(xp, G, axis=-2))  # decayed from the chunk start
+        return scores, queries, intra_chunk(xp, K, G, [(rows, SOLVE)])
+    blocks = intra_chunk(xp, K, G, [(Q, SCORES), (rows, SOLVE)])
+    return blocks.matrices[0], blocks.rows[0], blocks
+
+
+def _factored(
+    xp: Any, Q: Any, K: Any, B: Any, G: Any | None, causal: Any, solve: Any
+) -> tuple[Any, Any, IntraChunk]:
+    """The scores, the decayed queries and the :class:`IntraChunk` of :func:`_block` for no
+    gate or a scalar one, where the library solves triangular systems (``solve``): ``A`` is
+    one matmul times the chunk's :func:`segment_decay` (shared with the scores), and
+    ``(I + A)^{-1}`` one batched triangular solve. The factors across the chunk come from
+    in-chunk sums of the gate, each of its own terms: ``exp(b_t)`` from the chunk start (a
+    cumulative sum) and ``exp(B - b_s)`` to its end (a reversed cumulative sum after ``s``)."""
+    keys_t = xp.matrix_transpose(K)
+    if G is None:
+        scores = keep_lower(xp, matmul(xp, Q, keys_t), causal)
+        inverse = solve(matmul(xp, K * B, keys_t))
+        return scores, Q, IntraChunk([inverse], [K * (-B)], K, None)
+    decay = segment_decay(xp, G)
+    scores = scalar_gate_scores(xp, Q, K, G, causal, decay=decay)
+    inverse = solve(matmul(xp, K * B, keys_t) * decay)  # only the strictly lower part is read
+    start = xp.exp(cumulative_sum(xp, G, axis=-2))  # exp(b_t), (..., C, 1)
+    after = cumulative_sum(xp, xp.flip(G, axis=-2), axis=-2, include_initial=True)
+    end = xp.exp(xp.flip(after[..., :-1, :], axis=-2))  # exp(sum_{r > s} g_r)
+    whole = start[..., -1:, :]  # exp(B): (..., 1, 1)
+    return scores, Q * start, IntraChunk([inverse], [K * (-B * start)], K * end, whole)
+
+
 def _block(
     xp: Any, Q: Any, K: Any, V: Any, B: Any, *rest: Any, S: Any, causal: Any, in_loop: bool
 ) -> tuple[list[Any], Any]:
@@ -170,23 +238,15 @@ def _block(
     outputs as pieces ``(..., chunks, C, d_v)`` in order (one per chunk when ``in_loop``, else
     one of all N). ``Q, K, V, B`` (and the log decays, if any) are ``(..., N, C, d)``.
 
-    The rows ``-diag(beta) K`` enter the levels negated once: the levels then build
-    ``(I + A)^{-1}`` directly, and their decayed rows ``-diag(beta) K exp(b)`` enter the
-    right-hand side of ``W`` without another negation.
+    The intra-chunk matrices come from :func:`_factored` where the library solves triangular
+    systems and the gate (if any) is a scalar, else from :func:`_levels`.
     """
     G = rest[0] if rest else None
-    rows = K * (-B)  # negating beta (..., C, 1), not the keys
-    if G is None:
-        scores = keep_lower(xp, matmul(xp, Q, xp.matrix_transpose(K)), causal)
-        blocks = intra_chunk(xp, K, None, [(rows, SOLVE)])
-        queries = Q
-    elif G.shape[-1] == 1:  # a scalar gate factors its scores: one full matmul
-        scores = scalar_gate_scores(xp, Q, K, G, causal)
-        blocks = intra_chunk(xp, K, G, [(rows, SOLVE)])
-        queries = Q * xp.exp(cumulative_sum(xp, G, axis=-2))  # decayed from the chunk start
+    solve = unit_lower_solver(xp, K)
+    if solve is not None and (G is None or G.shape[-1] == 1):
+        scores, queries, blocks = _factored(xp, Q, K, B, G, causal, solve)
     else:
-        blocks = intra_chunk(xp, K, G, [(Q, SCORES), (rows, SOLVE)])
-        scores, queries = blocks.matrices[0], blocks.rows[0]
+        scores, queries, blocks = _levels(xp, Q, K, B, G, causal)
     inverse, keys_rhs = blocks.matrices[-1], blocks.rows[-1]
     # The state recurrence across chunks is sequential: S_n feeds W_n. Each input is unstacked
     # once (one op for autograd); per chunk W_n = T_n (diag(beta) V_n + keys_rhs_n S_n) and the
@@ -220,4 +280,4 @@ def _block(
         return outputs, S
     starts = xp.stack(states, axis=-3)  # (..., N, d_k, d_v): the state before each chunk
     W = xp.stack(corrections, axis=-3)  # (..., N, C, d_v)
-    return [matmul(xp, queries, starts) + matmul(xp, scores, W)], S
+    return [matmul_add(xp, matmul(xp, queries, starts), scores, W)], S

@@ -51,6 +51,7 @@ __all__ = [
     "intra_chunk",
     "merge_inverse",
     "scalar_gate_scores",
+    "segment_decay",
     "segment_sums",
     "unit_lower_inverse",
 ]
@@ -289,13 +290,20 @@ def segment_sums(xp: Any, G: Any, axis: int) -> Any:
     return cumulative_sum(xp, terms, axis=axis - 1)
 
 
+def segment_decay(xp: Any, G: Any) -> Any:
+    """``exp(sum_{s<r<=t} g_r)`` ``(..., C, C)`` (1 on and above the diagonal), in ``[0, 1]``,
+    for a scalar gate ``G`` ``(..., C, 1)``: the decay of a chunk's scores."""
+    return xp.exp(segment_sums(xp, G[..., 0], axis=-1))
+
+
 def scalar_gate_scores(
-    xp: Any, R: Any, K: Any, G: Any, mask: Any, *, strict: bool = False
+    xp: Any, R: Any, K: Any, G: Any, mask: Any, *, strict: bool = False, decay: Any = None
 ) -> Any:
     """``where(mask, (r_t . k_s) exp(sum_{s<r<=t} g_r), 0)`` for a scalar gate per token.
 
     ``G`` is ``(..., C, 1)``; ``mask`` the boolean ``(C, C)`` pattern kept (``s <= t``, or
-    ``s < t`` for a strictly lower matrix: ``causal_mask(..., strict)``).
+    ``s < t`` for a strictly lower matrix: ``causal_mask(..., strict)``); ``decay`` its
+    :func:`segment_decay`, if already computed.
     """
-    decay = xp.exp(segment_sums(xp, G[..., 0], axis=-1))  # (..., C, C), in [0, 1]
+    decay = segment_decay(xp, G) if decay is None else decay
     return keep_lower(xp, matmul(xp, R, xp.matrix_transpose(K)) * decay, mask, strict=strict)

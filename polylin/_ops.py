@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._policy import device, unstack, vector_times_matrix
+from ._policy import add_matmul, device, unstack, vector_times_matrix
 
 __all__ = [
     "broadcast_shape",
@@ -14,6 +14,7 @@ __all__ = [
     "dense",
     "l2_normalize",
     "matmul",
+    "matmul_add",
     "pad_rows",
     "read_state",
     "split_rows",
@@ -98,6 +99,14 @@ def dense(xp: Any, x: Any) -> Any:
     Never pass a broadcast view (the copy would materialize the broadcast).
     """
     return xp.reshape(xp.reshape(x, (-1,)), x.shape)
+
+
+def matmul_add(xp: Any, c: Any, a: Any, b: Any) -> Any:
+    """``c + a @ b`` (leading dimensions broadcast, as in :func:`matmul`): one fused operation
+    where the three have the same leading dimensions (:func:`polylin._policy.add_matmul`)."""
+    if len(c.shape) > 2 and tuple(c.shape[:-2]) == tuple(a.shape[:-2]) == tuple(b.shape[:-2]):
+        return add_matmul(xp, c, a, b)
+    return c + matmul(xp, a, b)
 
 
 def widens(x: Any, y: Any) -> bool:

@@ -25,6 +25,7 @@ import array_api_compat
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_EPS",
+    "add_matmul",
     "add_outer",
     "array_namespace",
     "cacheable",
@@ -48,6 +49,7 @@ __all__ = [
     "scans_tokens",
     "splits_chunks_on_concat",
     "stacked_qr",
+    "unit_lower_solver",
     "unstack",
     "unsupported_array",
     "vector_times_matrix",
@@ -264,6 +266,35 @@ def add_outer(xp: Any, S: Any, *pairs: tuple[Any, Any]) -> Any:
 #: The state size (elements) from which :func:`add_outer` adds two outer products on NumPy as
 #: one matmul (measured at d = 64 for batch x heads 1 to 64: equal at 16384, faster above).
 _RANK_TWO_MATMUL = 2**15
+
+
+def add_matmul(xp: Any, c: Any, a: Any, b: Any) -> Any:
+    """``c + a @ b`` for ``a``, ``b``, ``c`` of the same leading dimensions (at least one).
+    PyTorch: one ``baddbmm`` of the flattened batch, which writes the sum once instead of the
+    product and then the sum (a block's read-out, ``(2, 4, 16, 64, 64)``, one thread: 0.7x the
+    time of the matmul and the addition)."""
+    if _torch_namespace(c) is not None:
+        *lead, m, n = c.shape
+        flat = [x.reshape(-1, *x.shape[-2:]) for x in (c, a, b)]
+        return _torch().baddbmm(*flat).reshape(*lead, m, n)
+    return c + a @ b
+
+
+def unit_lower_solver(xp: Any, x: Any) -> Callable[[Any], Any] | None:
+    """A function of ``A`` ``(..., C, C)`` that returns ``(I + strictly_lower(A))^{-1}``
+    (``A``'s diagonal and upper triangle are never read) where the library of ``x`` has a
+    batched triangular solve that differentiates: PyTorch's ``linalg.solve_triangular``, eager
+    or compiled. ``None`` elsewhere: the array-API levels of
+    :func:`polylin._intra_chunk.intra_chunk` invert it instead."""
+    if _torch_namespace(x) is None:
+        return None
+    torch = _torch()
+
+    def solve(A: Any) -> Any:
+        eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand(A.shape)
+        return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+
+    return solve
 
 
 def vector_times_matrix(xp: Any, x: Any, S: Any) -> Any:

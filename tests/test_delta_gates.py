@@ -255,7 +255,7 @@ def _strong_gates(rng, length, d, gate):
     return g
 
 
-def _float32_case(rng, length, gate, d=16, chunk_size=64):
+def _float32_case(rng, length, gate, d=16, chunk_size=64, library="numpy"):
     q = rng.standard_normal((1, length, d))
     k = unit(rng.standard_normal((1, length, d)))
     v = rng.standard_normal((1, length, d))
@@ -263,28 +263,34 @@ def _float32_case(rng, length, gate, d=16, chunk_size=64):
     g = _strong_gates(rng, length, d, gate)
     args = [x.astype(np.float32).astype(np.float64) for x in (q, k, v, beta, g)]
     want, want_state = reference(*args)
+    inputs = [x.astype(np.float32) for x in args]
+    if library == "torch":  # its own path: A factored and one triangular solve (scalar gate)
+        torch = pytest.importorskip("torch")
+        inputs = [torch.from_numpy(x) for x in inputs]
     out, state = delta_rule_attention(
-        *(x.astype(np.float32) for x in args[:4]), log_decay=args[4].astype(np.float32),
-        chunk_size=chunk_size, return_state=True,
-    )  # fmt: skip
+        *inputs[:4], log_decay=inputs[4], chunk_size=chunk_size, return_state=True
+    )
+    out, state = np.asarray(out), np.asarray(state)
     assert out.dtype == np.float32
     error = np.abs(out - want).max() / np.abs(want).max()
     state_error = np.abs(state - want_state).max() / np.abs(want_state).max()
     return error, state_error
 
 
+@pytest.mark.parametrize("library", ["numpy", "torch"])
 @pytest.mark.parametrize("gate", ["token", "channel"])
-def test_float32_strong_gates(rng, gate):
+def test_float32_strong_gates(rng, gate, library):
     """float32 within 1e-5 relative of float64 at T = 8192 with gates down to -30 per token and
     channel (and one of -1e4, where every factor underflows)."""
-    error, state_error = _float32_case(rng, 8192, gate)
+    error, state_error = _float32_case(rng, 8192, gate, library=library)
     assert error < 1e-5 and state_error < 1e-5, (error, state_error)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("library", ["numpy", "torch"])
 @pytest.mark.parametrize("gate", ["token", "channel"])
-def test_float32_strong_gates_65536(rng, gate):
-    error, state_error = _float32_case(rng, 65536, gate)
+def test_float32_strong_gates_65536(rng, gate, library):
+    error, state_error = _float32_case(rng, 65536, gate, library=library)
     assert error < 1e-5 and state_error < 1e-5, (error, state_error)
 
 
