@@ -36,8 +36,40 @@ def test_forward_benchmark(tmp_path):
         ["--lengths", "128", "--threads", "1", "--repeats", "1", "--json", str(out)]
     )
     (row,) = report["rows"]
-    for name in ("undecayed", "scalar", "channel", "fla naive", "default"):
+    for name in ("undecayed", "scalar", "channel", "channel floor", "fla naive", "default"):
         assert row[name] > 0
+    assert row["channel floor / undecayed"] == row["channel floor"] / row["undecayed"]
+    from polylin import _chunked
+
+    assert _chunked._channel_gate.__module__ == "polylin._chunked"  # the floor's patch undone
     names = [g["name"] for g in report["goals"]]
     assert "scalar / fla naive, T=128, 1 threads" in names
     assert json.loads(out.read_text())["rows"] == report["rows"]
+
+
+def test_threads_benchmark(tmp_path):
+    """benchmarks/threads.py: one sweep process per thread count, chunked beside plain,
+    speed-ups over one thread, goals judged at the default threads only."""
+    from benchmarks import threads
+
+    out = tmp_path / "threads.json"
+    report = threads.main([
+        "--threads", "1", "2", "--default-threads", "2", "--seq-lens", "128", "--dims", "16",
+        "--batch", "2", "--repeats", "1", "--gemm-size", "64", "--json", str(out),
+    ])  # fmt: skip
+    cases = {(r["backend"], r["pass"], r["threads"]) for r in report["rows"]}
+    assert cases == {
+        (backend, mode, n) for n in (1, 2)
+        for backend, mode in [("numpy", "forward"), ("torch", "forward"),
+                              ("torch", "forward+backward")]
+    }  # fmt: skip
+    for r in report["rows"]:
+        assert r["ratio"] == pytest.approx(r["chunked_s"] / r["plain_s"])
+        if r["threads"] == 1:
+            assert r["chunked_speedup"] == r["plain_speedup"] == 1
+        else:
+            assert r["chunked_speedup"] > 0 and r["plain_speedup"] > 0
+        assert (r["gemm_fraction"] is None) == (r["pass"] != "forward")
+    assert set(report["gemm_flops_per_s"]) == {"1", "2"}
+    assert len(report["goals"]) == 3 and all("2 threads" in g["name"] for g in report["goals"])
+    assert json.loads(out.read_text())["goals"] == report["goals"]
