@@ -57,9 +57,9 @@ def test_threads_benchmark(tmp_path):
         "--threads", "1", "2", "--default-threads", "2", "--seq-lens", "128", "--dims", "16",
         "--batch", "2", "--repeats", "1", "--gemm-size", "64", "--json", str(out),
     ])  # fmt: skip
-    cases = {(r["backend"], r["pass"], r["threads"]) for r in report["rows"]}
+    cases = {(r["allocator"], r["backend"], r["pass"], r["threads"]) for r in report["rows"]}
     assert cases == {
-        (backend, mode, n) for n in (1, 2)
+        (allocator, backend, mode, n) for n in (1, 2) for allocator in ("default", "resident")
         for backend, mode in [("numpy", "forward"), ("torch", "forward"),
                               ("torch", "forward+backward")]
     }  # fmt: skip
@@ -70,6 +70,7 @@ def test_threads_benchmark(tmp_path):
         else:
             assert r["chunked_speedup"] > 0 and r["plain_speedup"] > 0
         assert (r["gemm_fraction"] is None) == (r["pass"] != "forward")
-    assert set(report["gemm_flops_per_s"]) == {"1", "2"}
-    assert len(report["goals"]) == 3 and all("2 threads" in g["name"] for g in report["goals"])
+    assert all(r["chunked_faults_per_call"] >= 0 <= r["plain_faults_per_call"] for r in report["rows"])
+    assert len(report["gemm_flops_per_s"]) == 4
+    assert len(report["goals"]) == 6 and all("2 threads" in g["name"] for g in report["goals"])
     assert json.loads(out.read_text())["goals"] == report["goals"]
