@@ -70,7 +70,7 @@ def test_threads_benchmark(tmp_path):
         else:
             assert r["chunked_speedup"] > 0 and r["plain_speedup"] > 0
         assert (r["gemm_fraction"] is None) == (r["pass"] != "forward")
-    assert all(r["chunked_faults_per_call"] >= 0 <= r["plain_faults_per_call"] for r in report["rows"])
+        assert r["chunked_faults_per_call"] >= 0 and r["plain_faults_per_call"] >= 0
     assert len(report["gemm_flops_per_s"]) == 4
     assert len(report["goals"]) == 6 and all("2 threads" in g["name"] for g in report["goals"])
     assert json.loads(out.read_text())["goals"] == report["goals"]
