@@ -76,9 +76,10 @@ def load_release(folder: Path) -> Any | None:
 def _factored_channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     """``polylin._chunked._channel_gate`` factored over the whole chunk (``channel floor``)."""
     b = torch.cumsum(G, dim=-2)
-    B = b[..., -1:, :]
-    scores = torch.tril((Q * torch.exp(b)) @ (K * torch.exp(-b)).transpose(-1, -2))
-    return scores, Q * torch.exp(b), K * torch.exp(B - b), torch.exp(B)
+    whole = torch.exp(b[..., -1:, :])
+    queries, keys = Q * torch.exp(b), K * torch.exp(-b)  # the two exponentials it needs
+    scores = torch.tril(queries @ keys.transpose(-1, -2))
+    return scores, queries, keys * whole, whole
 
 
 @contextlib.contextmanager

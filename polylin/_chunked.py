@@ -59,6 +59,7 @@ from ._ops import (
     concat_leading,
     dense,
     matmul,
+    matmul_add,
     pad_rows,
     split_rows,
     widens,
@@ -223,7 +224,7 @@ def _block(
             increments = _increments(xp, keys, V)
     states, S = _prefix(xp, increments[0], decay, S, chained=chained)
     z_states, z = _prefix(xp, increments[1], decay, z, chained=chained)
-    out = _from_states(xp, queries, states, weights) + matmul(xp, scores, V)
+    out = matmul_add(xp, _from_states(xp, queries, states, weights), scores, V)  # one baddbmm
     out = _rows(xp, out, padded, length)
     if not normalize:
         return out, S, z
