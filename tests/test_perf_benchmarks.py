@@ -74,3 +74,33 @@ def test_threads_benchmark(tmp_path):
     assert len(report["gemm_flops_per_s"]) == 4
     assert len(report["goals"]) == 6 and all("2 threads" in g["name"] for g in report["goals"])
     assert json.loads(out.read_text())["goals"] == report["goals"]
+
+
+def test_mamba2_benchmark(tmp_path):
+    """benchmarks/mamba2.py: transformers' Mamba2Mixer with polylin's weights gives polylin's
+    output before either is timed; one row per threads, length and pass."""
+    pytest.importorskip("transformers")
+    from benchmarks import mamba2
+
+    out = tmp_path / "mamba2.json"
+    report = mamba2.main([
+        "--lengths", "40", "--threads", "1", "--hidden", "32", "--head-dim", "8",
+        "--state-size", "4", "--chunk", "16", "--repeats", "1", "--json", str(out),
+    ])  # fmt: skip
+    assert [r["pass"] for r in report["rows"]] == ["forward", "forward+backward"]
+    for r in report["rows"]:
+        assert r["ratio"] == r["polylin_s"] / r["transformers_s"] and r["max_diff"] < 1e-4
+    assert json.loads(out.read_text())["rows"] == report["rows"]
+
+
+def test_mamba2_check_refuses_a_different_layer():
+    pytest.importorskip("transformers")
+    import torch
+
+    from benchmarks import mamba2
+
+    ours, theirs = mamba2.layers(32, head_dim=8, state_size=4, chunk=16)
+    with torch.no_grad():
+        theirs.D.add_(1.0)  # a different skip connection: a different function
+    with pytest.raises(AssertionError):
+        mamba2.check(ours, theirs, torch.randn(1, 20, 32))

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._policy import DEFAULT_CHUNK_SIZE
 from .._state import LinearAttentionState
 from .._validation import is_real_number
 from ..activations import silu, softplus
@@ -101,7 +102,10 @@ class Mamba2(Block):
     norm_eps : float
         ``eps`` of the RMSNorm.
     chunk_size : int
-        Chunk length of the chunked form.
+        Chunk length of the chunked form: a speed setting, the outputs are the same to
+        round-off. The default is polylin's (64); transformers' and mamba_ssm's configs say
+        256, with which the layer's forward took 1.2-1.3x as long on the CPU (T = 1024 and
+        4096, ``benchmarks/mamba2.py``'s sizes).
     method : {"chunked", "recurrent", "quadratic"}
         Algorithm of the forward pass (see :func:`polylin.causal_linear_attention`).
     device, dtype : optional
@@ -170,7 +174,7 @@ class Mamba2(Block):
         dt_limit: tuple[float, float] = (0.0, math.inf),
         use_bias: bool = False,
         norm_eps: float = 1e-5,
-        chunk_size: int = 256,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
         *,
         method: str = "chunked",
         device: Any = None,
