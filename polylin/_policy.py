@@ -40,6 +40,7 @@ __all__ = [
     "is_tracer",
     "keep_lower",
     "materialized",
+    "native_activation",
     "native_elu_plus_one",
     "nonpositive",
     "outside_graph",
@@ -197,6 +198,33 @@ def unstack(xp: Any, x: Any, /, *, axis: int) -> tuple[Any, ...]:
     if _torch_namespace(x) is None:
         return tuple(xp.unstack(x, axis=axis))
     return tuple(_torch().unbind(x, dim=axis))
+
+
+def native_activation(name: str, x: Any) -> Any | None:
+    """``sigmoid``, ``silu`` or ``softplus`` of ``x`` by PyTorch's own kernels for a tensor, or
+    ``None`` elsewhere (the array-API forms of :mod:`polylin.activations` run there).
+
+    The array-API forms select with ``where`` so that no exponential overflows and every
+    gradient is finite; PyTorch's CPU ``where`` is slow (8.6 ms on 1.8 M float32 values, one
+    thread, against 0.4-1.9 ms for ``exp``, ``clamp`` or ``sigmoid``), and the SiLU of a
+    (1, 1024, 1792) activation took 40 ms against 0.47 ms for ``F.silu``. ``torch.sigmoid`` and
+    ``F.silu`` are as exact and their gradients as finite. PyTorch's ``softplus`` returns ``x``
+    above a threshold (20), which is not exact in float64, so softplus is written as
+    ``maximum(x, 0) + log1p(exp(-|x|))``: no selection, and on PyTorch the gradient is
+    ``sigmoid(x)`` everywhere, 1/2 at 0 (``maximum`` splits a tie, ``abs``' derivative is 0
+    there).
+    """
+    if _torch_namespace(x) is None:
+        return None
+    torch = _torch()
+    if name == "sigmoid":
+        return torch.sigmoid(x)
+    if name == "silu":
+        return torch.nn.functional.silu(x)
+    if name == "softplus":
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        return torch.maximum(x, zero) + torch.log1p(torch.exp(-torch.abs(x)))
+    raise ValueError(f"no native activation {name!r}")
 
 
 def native_elu_plus_one(x: Any) -> Any | None:

@@ -3,11 +3,13 @@
 The standard has ``exp`` and ``log1p`` but no sigmoid, SiLU or softplus. Each is written here
 from ``exp`` of a number ``<= 0`` only: finite for every finite input in every dtype, with
 finite gradients (a ``where`` whose unused branch overflows would still give NaN gradients).
+On PyTorch, whose CPU ``where`` is slow, the same functions run as its own kernels
+(:func:`polylin._policy.native_activation`).
 """
 
 from __future__ import annotations
 
-from ._policy import array_namespace
+from ._policy import array_namespace, native_activation
 from ._typing import Array
 
 __all__ = ["sigmoid", "silu", "softplus"]
@@ -33,6 +35,9 @@ def sigmoid(x: Array, /) -> Array:
     >>> sigmoid(np.array([-1000.0, 0.0, 1000.0]))
     array([0. , 0.5, 1. ])
     """
+    native = native_activation("sigmoid", x)  # PyTorch: its own kernel (a fast where-free one)
+    if native is not None:
+        return native
     xp = array_namespace(x)
     # exp(-|x|) <= 1, with -|x| as a selection: at 0 its gradient is -1 (abs' gives 0 there).
     e = xp.exp(xp.where(x >= 0, -x, x))
@@ -59,7 +64,8 @@ def silu(x: Array, /) -> Array:
     >>> silu(np.array([-1000.0, 0.0, 2.0])).round(4)
     array([-0.    ,  0.    ,  1.7616])
     """
-    return x * sigmoid(x)
+    native = native_activation("silu", x)
+    return x * sigmoid(x) if native is None else native
 
 
 def softplus(x: Array, /) -> Array:
@@ -85,6 +91,9 @@ def softplus(x: Array, /) -> Array:
     >>> softplus(np.array([-1000.0, 0.0, 1000.0])).tolist()
     [0.0, 0.6931471805599453, 1000.0]
     """
+    native = native_activation("softplus", x)
+    if native is not None:
+        return native
     xp = array_namespace(x)
     positive = x >= 0
     # -|x| as a selection so that both pieces take x = 0 from the same side: the gradient
