@@ -35,10 +35,10 @@ def child(threads: int, rows: int, kind: str, length: int, d: int = 64, calls: i
     import torch
 
     import polylin
-    import polylin._delta
+    import polylin._forms.delta.chunked
 
     torch.set_num_threads(threads)
-    polylin._delta.BLOCK_ROWS = max(1, rows // threads)
+    polylin._forms.delta.chunked.BLOCK_ROWS = max(1, rows // threads)
     g = torch.Generator().manual_seed(0)
     shape = (2, 4, length)
     q, v = (torch.randn(*shape, d, generator=g) for _ in range(2))

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from polylin._policy import DEFAULT_CHUNK_SIZE
+from polylin import DEFAULT_CHUNK_SIZE
 from polylin.testing import Backend
 
 from . import targets as target_file

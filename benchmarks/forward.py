@@ -74,7 +74,8 @@ def load_release(folder: Path) -> Any | None:
 
 
 def _factored_channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
-    """``polylin._chunked._channel_gate`` factored over the whole chunk (``channel floor``)."""
+    """The per-channel ``_channel_gate`` of ``polylin._forms.linear.chunked`` factored over the
+    whole chunk (``channel floor``)."""
     b = torch.cumsum(G, dim=-2)
     whole = torch.exp(b[..., -1:, :])
     queries, keys = Q * torch.exp(b), K * torch.exp(-b)  # the two exponentials it needs

@@ -6,7 +6,7 @@ under ``jax.jit``:
 
 - ``chunked``: ``polylin.causal_linear_attention(method="chunked")``, the default (on the CPU
   the policy runs its forward as a scan over the tokens and its gradient as the chunked form's:
-  ``polylin._policy.scans_tokens``);
+  ``polylin._backend.execution.scans_tokens``);
 - ``recurrent``: polylin's per-token form (a Python loop over the tokens, unrolled into the
   compiled program: timed up to ``--recurrent-max-len`` only);
 - ``scan``: the recurrence a JAX user writes by hand, one ``jax.lax.scan`` step per token.

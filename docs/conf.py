@@ -98,6 +98,7 @@ numpydoc_validation_overrides = {
 }
 numpydoc_validation_exclude = {
     r"^polylin\.(DELTA_|DPLR_)?METHODS$",
+    r"^polylin\.DEFAULT_[A-Z_]+$",
     r"^polylin\.feature_maps\.[A-Z][A-Z0-9_]*$",
     r"^polylin\.LinearAttentionState\.\w+$",
     r"^polylin\.testing\.Backend\.\w+$",

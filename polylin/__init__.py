@@ -6,14 +6,10 @@ and dtype.
 """
 
 from . import activations, feature_maps
-from ._prepared import PreparedStep
-from ._state import LinearAttentionState
-from .attention import (
-    METHODS,
-    causal_linear_attention,
-    linear_attention,
-    masked_kernel_attention,
-)
+from ._inputs.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
+from ._inputs.state import LinearAttentionState
+from ._inputs.steps import PreparedStep
+from .attention import METHODS, causal_linear_attention, linear_attention, masked_kernel_attention
 from .convolution import causal_conv1d, causal_conv1d_step
 from .decoding import prepare_step, step
 from .delta_rule import (
@@ -22,17 +18,14 @@ from .delta_rule import (
     delta_rule_step,
     prepare_delta_rule_step,
 )
-from .dplr import (
-    DPLR_METHODS,
-    dplr_delta_rule,
-    dplr_delta_rule_step,
-    prepare_dplr_step,
-)
+from .dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step, prepare_dplr_step
 from .normalization import rms_norm
 
 __version__ = "0.2.0"
 
 __all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_EPS",
     "DELTA_METHODS",
     "DPLR_METHODS",
     "METHODS",

@@ -4,12 +4,13 @@ The standard has ``exp`` and ``log1p`` but no sigmoid, SiLU or softplus. Each is
 from ``exp`` of a number ``<= 0`` only: finite for every finite input in every dtype, with
 finite gradients (a ``where`` whose unused branch overflows would still give NaN gradients).
 On PyTorch, whose CPU ``where`` is slow, the same functions run as its own kernels
-(:func:`polylin._policy.native_activation`).
+(:func:`polylin._backend.ops.native_activation`).
 """
 
 from __future__ import annotations
 
-from ._policy import array_namespace, native_activation
+from ._backend.namespace import array_namespace
+from ._backend.ops import native_activation
 from ._typing import Array
 
 __all__ = ["sigmoid", "silu", "softplus"]

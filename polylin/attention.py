@@ -6,17 +6,17 @@ from collections.abc import Callable, Sequence
 from itertools import pairwise
 from typing import Any
 
-from ._chunked import causal_chunked
-from ._decay import check_log_decay, check_normalize, pack_log_decay, standard_log_decay
-from ._layout import DEFAULT_SEQ_AXIS, standard_layout
-from ._ops import matmul
-from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, scans_tokens, with_derivatives_of
-from ._prepare import apply_feature_map, finish, select
-from ._quadratic import quadratic
-from ._recurrent import causal_recurrent
-from ._state import LinearAttentionState
-from ._typing import Array
-from ._validation import (
+from ._backend.execution import scans_tokens, with_derivatives_of
+from ._backend.ops import matmul
+from ._forms.linear.chunked import causal_chunked
+from ._forms.linear.quadratic import quadratic
+from ._forms.linear.recurrent import causal_recurrent
+from ._inputs.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
+from ._inputs.gates import check_log_decay, check_normalize, pack_log_decay, standard_log_decay
+from ._inputs.layout import DEFAULT_SEQ_AXIS, standard_layout
+from ._inputs.prepare import apply_feature_map, finish, select
+from ._inputs.state import LinearAttentionState
+from ._inputs.validation import (
     check_cu_seqlens,
     check_flag,
     check_mask,
@@ -25,7 +25,8 @@ from ._validation import (
     check_qkv,
     check_state,
 )
-from ._varlen import length_mask, pack, unpack
+from ._inputs.varlen import length_mask, pack, unpack
+from ._typing import Array
 
 __all__ = [
     "METHODS",
@@ -115,8 +116,12 @@ def causal_linear_attention(
         Log of the decay factor ``g_t <= 0``: a float (one decay everywhere) or an array that
         broadcasts against the mapped keys ``(..., T, d_phi)``, with a trailing axis of 1 (one
         gate per token, e.g. ``(heads, 1, 1)`` for a fixed decay per head) or ``d_phi`` (one
-        per feature channel). With ``seq_axis`` other than -2 an array has the full rank of
-        ``q``, in the inputs' layout (a number or a 0-d array broadcasts in any layout). A decay
+        per feature channel). An array with fewer dimensions than the mapped keys whose last
+        axis may be their channel axis or the one before it (``(batch, heads, T)`` with ``T ==
+        d_phi``) does not say which gate it is: a ``ValueError``. With ``seq_axis`` other than
+        -2 an array has the full rank of ``q``, in the inputs' layout (a number or a 0-d array
+        broadcasts in any layout). A number is the same value at every token: masked tokens
+        take 0 (``attention_mask``) whatever ``log_decay`` is. A decay
         never amplifies the state: a number must be finite and ``<= 0`` (else a
         ``ValueError``), array values above 0 are taken as 0 (their gradient is 0), and an
         array value of ``-inf`` is an exact reset. Gradients flow to it.
@@ -198,7 +203,9 @@ def causal_linear_attention(
             return_state=True,
             # full rank: with head axes a 2-D mask would mean (batch, T)
             attention_mask=xp.reshape(lengths, (*[1] * len(inputs.batch_shape), *lengths.shape)),
-            log_decay=pack_log_decay(xp, decay, lambda x: pack(xp, x, offsets, max_len)),
+            log_decay=pack_log_decay(
+                xp, decay, lambda x: pack(xp, x, offsets, max_len), len(inputs.batch_shape) + 3
+            ),
             normalize=normalize,
         )
         out = layout.restore(unpack(xp, out, offsets))

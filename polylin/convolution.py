@@ -8,19 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._layout import DEFAULT_SEQ_AXIS, standard_layout
-from ._policy import cumulative_sum
-from ._policy import device as device_of
+from ._backend.namespace import device as device_of
+from ._backend.ops import cumulative_sum
+from ._inputs.arrays import check_beside, namespace_of, other_device, work_dtype_for
+from ._inputs.layout import DEFAULT_SEQ_AXIS, standard_layout
+from ._inputs.validation import AttentionInputs, check_flag, check_mask, check_token_mask
 from ._typing import Array
-from ._validation import (
-    AttentionInputs,
-    check_flag,
-    check_mask,
-    check_token_mask,
-    namespace_of,
-    other_device,
-    work_dtype_for,
-)
 from .activations import silu
 
 __all__ = ["ACTIVATIONS", "causal_conv1d", "causal_conv1d_step"]
@@ -30,10 +23,41 @@ __all__ = ["ACTIVATIONS", "causal_conv1d", "causal_conv1d_step"]
 ACTIVATIONS = (None, "silu", "swish")
 
 
+def _channels_first(name: str, shape: tuple, weight_shape: tuple, *, core: int) -> str | None:
+    """The hint for ``x`` of the caller's ``shape`` whose axis -2, not its last, has the
+    weight's channels: it looks channels-first (``(batch, channels, T)``, as ``nn.Conv1d`` and
+    the causal-conv1d package take it); ``None`` when it does not."""
+    channels = weight_shape[0]
+    if len(shape) < 2 or shape[-2] != channels or shape[-1] == channels:
+        return None
+    swap = f"{name}.mT ({name} with its last two axes swapped)"
+    if core == 2:
+        layout, fix = "(..., T, channels)", f"{swap} and take the output's .mT back"
+    else:
+        layout = "(..., channels)"
+        fix = f"{name}[..., 0]" if shape[-1] == 1 else swap
+    function = "causal_conv1d" if core == 2 else "causal_conv1d_step"
+    return (
+        f"{name} looks channels-first: it has shape {shape}, whose axis -2 (not its last "
+        f"axis) has the {channels} channels of weight {weight_shape}; {function} takes the "
+        f"channels on the last axis, {layout}: pass {fix} (if {name} is {layout} already, "
+        f"the weight is wrong: it must have shape (channels, width) = ({shape[-1]}, width))"
+    )
+
+
 def _check_arrays(
-    x: Any, weight: Any, bias: Any, activation: Any, *, name: str, core: int
+    x: Any,
+    weight: Any,
+    bias: Any,
+    activation: Any,
+    *,
+    name: str,
+    core: int,
+    caller_shape: tuple | None = None,
 ) -> AttentionInputs:
-    """Validate ``x`` (``core`` = 2: a sequence, 1: one token), ``weight``, ``bias``."""
+    """Validate ``x`` (``core`` = 2: a sequence, 1: one token), ``weight``, ``bias``;
+    ``caller_shape`` is the shape of ``x`` as the caller gave it (before ``seq_axis`` moved
+    its time axis), for the messages."""
     arrays = {name: x, "weight": weight}
     if bias is not None:
         arrays["bias"] = bias
@@ -47,6 +71,12 @@ def _check_arrays(
         raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
     channels = x.shape[-1]
     if weight.ndim != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
+        shape = tuple(x.shape) if caller_shape is None else tuple(caller_shape)
+        hint = None
+        if weight.ndim == 2 and weight.shape[1] >= 1:
+            hint = _channels_first(name, shape, tuple(weight.shape), core=core)
+        if hint is not None:
+            raise ValueError(hint)
         raise ValueError(
             f"weight must have shape (channels, width) = ({channels}, width), "
             f"got {tuple(weight.shape)}"
@@ -66,13 +96,23 @@ def _check_arrays(
     return AttentionInputs(xp, device_of(x), x.dtype, work_dtype_for(xp, x.dtype), batch)
 
 
-def _check_state(inputs: AttentionInputs, state: Any, shape: tuple, name: str) -> Any:
+def _check_state(
+    inputs: AttentionInputs, state: Any, shape: tuple, name: str, *, standard: bool = True
+) -> Any:
+    """``state`` of the standard-layout ``shape``, or zeros for ``None``; ``standard``: the
+    caller's layout is the standard one (a channels-first state is then named as such)."""
     xp = inputs.xp
     if state is None:
         return xp.zeros(shape, dtype=inputs.work_dtype, device=inputs.device)
-    if namespace_of(**{name: state}) is not xp:
-        raise TypeError(f"{name} must be an array of the same library as x")
+    check_beside(xp, inputs.device, name, state, query="x")
     if tuple(state.shape) != shape:
+        swapped = (*shape[:-2], shape[-1], shape[-2])
+        if standard and tuple(state.shape) == swapped:
+            raise ValueError(
+                f"{name} looks channels-first: it has shape {tuple(state.shape)}, and the state "
+                f"is (..., width - 1, channels) = {shape} (the causal-conv1d package keeps "
+                f"(batch, channels, width - 1)): pass {name}.mT"
+            )
         raise ValueError(
             f"{name} must have shape (..., width - 1, channels) = {shape}, got {tuple(state.shape)}"
         )
@@ -186,7 +226,10 @@ def causal_conv1d(
     array([10., 21., 32., 43., 54.])
     """
     layout, x = standard_layout(seq_axis, x=x)
-    inputs = _check_arrays(x, weight, bias, activation, name="x", core=2)
+    caller_shape = layout.caller_shape(tuple(getattr(x, "shape", ())))
+    inputs = _check_arrays(
+        x, weight, bias, activation, name="x", core=2, caller_shape=caller_shape
+    )
     check_flag("return_state", return_state)
     xp = inputs.xp
     width = weight.shape[1]
@@ -194,7 +237,9 @@ def causal_conv1d(
     T, channels = x.shape[-2], x.shape[-1]
     if not layout.is_standard and state is not None:
         (state,) = layout.to_standard(state=state)
-    S = _check_state(inputs, state, (*lead, width - 1, channels), "state")
+    S = _check_state(
+        inputs, state, (*lead, width - 1, channels), "state", standard=layout.is_standard
+    )
     keep = None
     if attention_mask is not None:
         keep = check_mask(inputs, attention_mask, T, layout)

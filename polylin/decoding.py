@@ -6,21 +6,23 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
-from ._decay import check_log_decay, check_normalize, log_decay_values
-from ._policy import DEFAULT_EPS, is_array
-from ._prepare import apply_feature_map, finish, map_features, resolve_feature_map, select
-from ._prepared import PER_CALL, PreparedStep
-from ._recurrent import recurrent_step
-from ._state import LinearAttentionState
-from ._typing import Array
-from ._validation import (
+from ._backend.namespace import is_array
+from ._forms.linear.recurrent import recurrent_step
+from ._inputs.defaults import DEFAULT_EPS
+from ._inputs.gates import check_log_decay, check_normalize, log_decay_values
+from ._inputs.prepare import apply_feature_map, finish, map_features, select
+from ._inputs.state import LinearAttentionState
+from ._inputs.steps import PER_CALL, PreparedStep
+from ._inputs.validation import (
     AttentionInputs,
     check_options,
     check_qkv,
     check_state,
     check_token_mask,
 )
+from ._typing import Array
 from .attention import FeatureMap
+from .feature_maps import resolve_feature_map
 
 __all__ = ["prepare_step", "step"]
 

@@ -11,26 +11,28 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from ._delta import delta_chunked, delta_recurrent, delta_step
-from ._delta_quadratic import delta_quadratic
-from ._entry import (
+from ._backend.namespace import is_array
+from ._backend.ops import l2_normalize
+from ._forms.delta.chunked import delta_chunked
+from ._forms.delta.quadratic import delta_quadratic
+from ._forms.delta.recurrent import delta_recurrent, delta_step
+from ._inputs.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
+from ._inputs.gates import standard_log_decay
+from ._inputs.layout import DEFAULT_SEQ_AXIS, standard_layout
+from ._inputs.prepare import finish
+from ._inputs.sequences import (
     StepPlan,
-    check_log_decay,
     check_scale,
     log_decay_shape,
     planned_decay,
     run_sequences,
+    shaped_log_decay,
     step_decay,
     step_state,
     used_as_given,
 )
-from ._layout import DEFAULT_SEQ_AXIS, standard_layout
-from ._ops import l2_normalize
-from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, is_array
-from ._prepare import finish
-from ._prepared import PreparedStep
-from ._typing import Array
-from ._validation import (
+from ._inputs.steps import PreparedStep
+from ._inputs.validation import (
     check_coefficient,
     check_flag,
     check_matrix_state,
@@ -39,6 +41,7 @@ from ._validation import (
     check_qkv,
     coefficient_values,
 )
+from ._typing import Array
 
 __all__ = [
     "DELTA_METHODS",
@@ -56,10 +59,10 @@ _BETA_BOUNDS = (0.0, 2.0)
 
 
 def _check_scale_and_norm(scale: Any, qk_l2norm: Any) -> float:
-    """``scale`` must be a finite real number, ``qk_l2norm`` a bool; returns ``float(scale)``."""
+    """``scale`` must be a finite real number, ``qk_l2norm`` a bool (a traced one says how to
+    keep it static); returns ``float(scale)``."""
     scale = check_scale(scale)
-    if not isinstance(qk_l2norm, bool):
-        raise TypeError(f"qk_l2norm must be True or False, got {type(qk_l2norm).__name__}")
+    check_flag("qk_l2norm", qk_l2norm)
     return scale
 
 
@@ -216,7 +219,7 @@ def delta_rule_attention(
     check_method(method, DELTA_METHODS)
     scale = _check_scale_and_norm(scale, qk_l2norm)
     beta = layout.per_token_to_standard("beta", beta)
-    log_decay = layout.per_token_to_standard("log_decay", log_decay)
+    log_decay = standard_log_decay(layout, log_decay)
     xp = inputs.xp
     batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]
     per_token = (*batch, T, 1)
@@ -225,7 +228,7 @@ def delta_rule_attention(
     arrays.append(
         check_coefficient(inputs, beta, per_token, name="beta", bounds=_BETA_BOUNDS, layout=layout)
     )
-    g = check_log_decay(inputs, log_decay, per_token, channels=d_k, layout=layout)
+    g = shaped_log_decay(inputs, log_decay, per_token, channels=d_k, layout=layout)
     if g is not None:
         arrays.append(g)
     # A masked token has every input selected to 0: beta = 0 (it writes nothing) and log decay
@@ -337,7 +340,7 @@ def _plan_step(
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
     beta = check_coefficient(inputs, beta_t, (*batch, 1), name="beta_t", bounds=_BETA_BOUNDS)
-    g = check_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
+    g = shaped_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
     scale = _check_scale_and_norm(scale, qk_l2norm)
     token_shape = tuple(q_t.shape)
     check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state", token_shape=token_shape)

@@ -13,24 +13,27 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from ._dplr import dplr_chunked, dplr_quadratic, dplr_recurrent, dplr_step
-from ._entry import (
+from ._backend.namespace import is_array
+from ._forms.dplr.chunked import dplr_chunked
+from ._forms.dplr.quadratic import dplr_quadratic
+from ._forms.dplr.recurrent import dplr_recurrent, dplr_step
+from ._inputs.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
+from ._inputs.gates import standard_log_decay
+from ._inputs.layout import DEFAULT_SEQ_AXIS, standard_layout
+from ._inputs.prepare import finish
+from ._inputs.sequences import (
     StepPlan,
-    check_log_decay,
     check_scale,
     log_decay_shape,
     planned_decay,
     run_sequences,
+    shaped_log_decay,
     step_decay,
     step_state,
     used_as_given,
 )
-from ._layout import DEFAULT_SEQ_AXIS, standard_layout
-from ._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, is_array
-from ._prepare import finish
-from ._prepared import PreparedStep
-from ._typing import Array
-from ._validation import (
+from ._inputs.steps import PreparedStep
+from ._inputs.validation import (
     AttentionInputs,
     check_coefficient,
     check_matrix_state,
@@ -38,6 +41,7 @@ from ._validation import (
     check_options,
     check_qkv,
 )
+from ._typing import Array
 
 __all__ = [
     "DPLR_METHODS",
@@ -204,13 +208,13 @@ def dplr_delta_rule(
     chunk_size = int(chunk_size)
     check_method(method, DPLR_METHODS)
     scale = check_scale(scale)
-    log_decay = layout.per_token_to_standard("log_decay", log_decay)
+    log_decay = standard_log_decay(layout, log_decay)
     xp = inputs.xp
     batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]
     keys = (*batch, T, d_k)
     arrays = [inputs.to_work_dtype(x) for x in (q, k, v)]
     arrays += [_check_vectors(inputs, x, keys, name) for name, x in (("a", a), ("b", b))]
-    g = check_log_decay(inputs, log_decay, (*batch, T, 1), channels=d_k)
+    g = shaped_log_decay(inputs, log_decay, (*batch, T, 1), channels=d_k, layout=layout)
     if g is not None:
         arrays.append(g)
 
@@ -319,7 +323,7 @@ def _plan_step(
     scale = check_scale(scale)
     for name, x in (("a_t", a_t), ("b_t", b_t)):
         _check_vectors(inputs, x, (*batch, d_k), name)
-    g = check_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
+    g = shaped_log_decay(inputs, log_decay, (*batch, 1), channels=d_k)
     check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
     vectors = ((x, (*x.shape[:-1], d_k) if x.ndim else None) for x in (a_t, b_t))
     log_decay_as_given = (log_decay, log_decay_shape(log_decay, (*batch, 1)))

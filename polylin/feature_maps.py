@@ -26,21 +26,22 @@ import math
 import random
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
-from ._policy import (
-    array_namespace,
+from ._backend.execution import (
+    blas_threaded_qr,
     cacheable,
+    check_static,
     compiled,
     compiling,
-    device,
     eager_constants,
     materialized,
-    native_elu_plus_one,
     outside_graph,
     stacked_qr,
-    zero_of,
 )
+from ._backend.namespace import array_namespace, device, zero_of
+from ._backend.ops import native_elu_plus_one
 from ._typing import Array
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "favor_plus",
     "identity",
     "relu",
+    "resolve_feature_map",
     "taylor_exp",
 ]
 
@@ -365,30 +367,45 @@ def _orthonormal_columns(xp: Any, gaussian: Any) -> Any:
 
     With that sign convention (Mezzadri 2007) ``Q`` is Haar-distributed when ``gaussian`` has
     i.i.d. Gaussian entries; a plain Householder ``Q`` is not (its signs follow ``R``'s).
+    The library's own ``linalg.qr`` where it has one, except NumPy's (see
+    :func:`_gram_schmidt`).
     """
-    if hasattr(xp, "linalg"):
-        if stacked_qr(xp):
-            q, r = xp.linalg.qr(gaussian)
-        else:  # one matrix at a time (Dask)
-            factors = [xp.linalg.qr(gaussian[i, ...]) for i in range(gaussian.shape[0])]
-            q = xp.stack([factor[0] for factor in factors])
-            r = xp.stack([factor[1] for factor in factors])
-        diagonal = xp.linalg.diagonal(r)
-        return xp.where(diagonal[..., None, :] < 0.0, -q, q)
-    # Without the linalg extension: classical Gram-Schmidt, each column projected twice ("twice
-    # is enough", Giraud et al. 2005), which is the same positive-diagonal QR to round-off.
-    n = gaussian.shape[-1]
-    columns: list[Any] = []
-    for j in range(n):
-        column = gaussian[..., j : j + 1]  # (blocks, n, 1)
-        if columns:
-            basis = xp.concat(columns, axis=-1)  # (blocks, n, j)
+    if not hasattr(xp, "linalg") or blas_threaded_qr(xp):
+        return _gram_schmidt(xp, gaussian)
+    if stacked_qr(xp):
+        q, r = xp.linalg.qr(gaussian)
+    else:  # one matrix at a time (Dask)
+        factors = [xp.linalg.qr(gaussian[i, ...]) for i in range(gaussian.shape[0])]
+        q = xp.stack([factor[0] for factor in factors])
+        r = xp.stack([factor[1] for factor in factors])
+    diagonal = xp.linalg.diagonal(r)
+    return xp.where(diagonal[..., None, :] < 0.0, -q, q)
+
+
+def _gram_schmidt(xp: Any, gaussian: Any) -> Any:
+    """The positive-diagonal ``Q`` of a stack ``(blocks, n, n)``, from elementwise operations.
+
+    Classical Gram-Schmidt with each column projected twice ("twice is enough", Giraud et al.
+    2005): the same factor as a Householder QR to round-off (within 1e-14 of NumPy's for
+    ``(32, 128, 128)`` Gaussian blocks), orthonormal to round-off. Products and sums only, no
+    matrix product: NumPy runs those on one thread, where its ``linalg.qr`` (and any matrix
+    product of this size) waits for BLAS threads, seconds per block on busy cores (see
+    :func:`polylin._policy.blas_threaded_qr`). Also the path of namespaces without ``linalg``
+    (an optional extension of the standard). Columns are handled as rows (contiguous sums).
+    """
+    rows = xp.permute_dims(gaussian, (0, 2, 1))  # (blocks, n, n): row j is column j
+    done: list[Any] = []
+    basis = None  # (blocks, j, n): the first j orthonormal rows
+    for j in range(rows.shape[-2]):
+        row = rows[:, j : j + 1, :]  # (blocks, 1, n)
+        if basis is not None:
             for _ in range(2):
-                coefficients = xp.matmul(xp.matrix_transpose(basis), column)
-                column = column - xp.matmul(basis, coefficients)
-        column = column / xp.sqrt(xp.sum(column * column, axis=-2, keepdims=True))
-        columns.append(column)
-    return xp.concat(columns, axis=-1)
+                coefficients = xp.sum(basis * row, axis=-1, keepdims=True)  # (blocks, j, 1)
+                row = row - xp.sum(basis * coefficients, axis=-2, keepdims=True)
+        row = row / xp.sqrt(xp.sum(row * row, axis=-1, keepdims=True))
+        done.append(row)
+        basis = xp.concat(done, axis=-2)
+    return xp.permute_dims(basis, (0, 2, 1))
 
 
 def _favor_projection(
@@ -529,6 +546,7 @@ class FavorPlusFeatureMap:
         self.num_features = _check_positive_int("num_features", num_features)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        check_static("orthogonal", orthogonal)
         if not isinstance(orthogonal, bool):
             raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
         self.seed = seed
@@ -625,12 +643,12 @@ def favor_plus(
     matrix is built on first use, with array operations of the input's library: Python's
     ``random.Random(seed)`` gives the norms and the uniforms of a Box-Muller transform, and
     the Gaussian blocks are orthonormalized by that library's QR with the sign fix that makes
-    them Haar-distributed (by Gram-Schmidt where it has no ``linalg``), in float64 where the
-    library has it. Not a NumPy generator as in Performer's code: polylin's core imports no
-    array library, and this way the same seed gives the same rows, to round-off, on every
-    backend. The matrix is cached per (parameters, library, device, dtype) in one bounded
-    cache shared by all maps; inside ``jax.jit`` or ``torch.inference_mode`` it is still built
-    eagerly, once, and cached.
+    them Haar-distributed (by Gram-Schmidt where it has no ``linalg``, and on NumPy, whose
+    QR waits for BLAS threads on busy cores), in float64 where the library has it. Not a
+    NumPy generator as in Performer's code: polylin's core imports no array library, and this
+    way the same seed gives the same rows, to round-off, on every backend. The matrix is
+    cached per (parameters, library, device, dtype) in one bounded cache shared by all maps;
+    inside ``jax.jit`` or ``torch.inference_mode`` it is still built eagerly, once, and cached.
 
     Output size ``num_features``; features strictly positive (they can underflow to zero for
     keys far from every ``w_i``); cost one ``(..., dim) x (dim, m)`` matmul and ``m``
@@ -678,3 +696,56 @@ def favor_plus(
     True
     """
     return FavorPlusFeatureMap(dim, num_features, seed, orthogonal)
+
+
+def resolve_feature_map(
+    feature_map: Callable[[Any], Any] | None, /, *, dim: int | str = "d_k"
+) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """The maps of the queries and of the keys that a ``feature_map`` argument stands for.
+
+    Every entry point resolves its ``feature_map`` argument with this function; a layer that
+    takes a feature map checks it with it when it is built.
+
+    Parameters
+    ----------
+    feature_map : callable or None
+        A feature map (array to array), or ``None`` for :func:`elu_plus_one`.
+    dim : int or str, default "d_k"
+        The key size, shown in the error for a factory passed uncalled.
+
+    Returns
+    -------
+    tuple of callable
+        ``(map_query, map_key)``: a map may treat queries differently from keys (FAVOR+ shifts
+        each query row by its max, which cancels between numerator and normalizer; a per-key
+        shift would not), through its ``map_query`` attribute.
+
+    Raises
+    ------
+    TypeError
+        If ``feature_map`` is not callable, or is a factory of this module passed itself
+        (``favor_plus`` for ``favor_plus(d_k)``): the message says how to call it.
+
+    Examples
+    --------
+    >>> from polylin.feature_maps import elu_plus_one, favor_plus, resolve_feature_map
+    >>> resolve_feature_map(None) == (elu_plus_one, elu_plus_one)
+    True
+    >>> favor = favor_plus(8, seed=0)
+    >>> map_query, map_key = resolve_feature_map(favor)
+    >>> map_key is favor and map_query == favor.map_query
+    True
+    """
+    if feature_map is None:
+        return elu_plus_one, elu_plus_one
+    if not callable(feature_map):
+        raise TypeError(
+            f"feature_map must be a callable from array to array, got {type(feature_map).__name__}"
+        )
+    if feature_map is favor_plus or feature_map is dpfp:
+        call = f"favor_plus({dim})" if feature_map is favor_plus else "dpfp()"
+        raise TypeError(
+            f"feature_map={feature_map.__name__} is the factory that builds a feature map, not "
+            f"a feature map: call it, e.g. feature_map={call}"
+        )
+    return getattr(feature_map, "map_query", feature_map), feature_map

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._policy import array_namespace
+from ._backend.namespace import array_namespace
+from ._inputs.arrays import broadcasts_to, namespace_of, work_dtype_for
+from ._inputs.validation import check_flag, check_options
 from ._typing import Array
-from ._validation import _broadcasts_to, check_flag, check_options, namespace_of, work_dtype_for
 from .activations import sigmoid, silu
 
 __all__ = ["GATE_ACTIVATIONS", "rms_norm"]
@@ -91,7 +92,7 @@ def rms_norm(
         raise ValueError(
             f"gate must have the shape of x, {tuple(x.shape)}; got {tuple(gate.shape)}"
         )
-    if weight is not None and not _broadcasts_to(tuple(weight.shape), tuple(x.shape), 0):
+    if weight is not None and not broadcasts_to(tuple(weight.shape), tuple(x.shape), 0):
         raise ValueError(
             f"weight must broadcast to the shape of x, {tuple(x.shape)}, usually (d,) = "
             f"{tuple(x.shape[-1:])}; got {tuple(weight.shape)}"

@@ -15,7 +15,20 @@ under ``jax:x32``) is never collected. Markers, in the style of array-api-extra:
 - ``@pytest.mark.not_generated(reason, **params)``: the combinations whose parameters all take
   the given values (a value or a list of values; backends by id) are not generated;
 - ``@pytest.mark.eager``: the entry points run as the test calls them (no automatic jit on
-  JAX, no compute guard on Dask).
+  JAX, no compute guard on Dask);
+- ``@pytest.mark.slow_grid(cover=("method",), prefer={"case": "ragged"})``: a grid whose full
+  product runs in ``make test-slow`` (``pytest -m slow``). ``make test`` runs every combination
+  on the cheap eager CPU backends (``full_on``: NumPy, PyTorch and array-api-strict unless
+  given) and, on each other backend (JAX, which compiles every new shape; Dask; the GPUs), a
+  covering subset: the fewest combinations (greedily) in which every value of each parameter
+  named in ``cover`` occurs (one combination if none is named), taken first from those
+  matching ``prefer`` (a value or a list of values per parameter). The rest is marked
+  ``slow``: together the two runs check the whole grid, and every test runs on every backend in
+  ``make test``. Without a ``backend`` parameter the subset is taken over all of the test's
+  combinations.
+
+A backend that cannot run here (no GPU, a library not installed) is skipped with the reason by
+a ``skip`` mark given at collection, so that its tests skip before any fixture is set up.
 
 On JAX and Dask, the public functions of polylin that a test module imports by name run as
 users run them: on JAX under ``jax.jit`` (arrays traced, every other argument static; compiled
@@ -31,7 +44,9 @@ import contextlib
 import functools
 import inspect
 import os
+import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +58,10 @@ from polylin.testing import STRICT_FLAGS, Backend, selected_backends
 
 #: The test-only id of JAX with x64 off.
 JAX_X32 = "jax:x32"
+
+#: Where a ``slow_grid`` test runs its whole grid in ``make test``: the eager CPU backends, on
+#: which a small case costs a few milliseconds (JAX compiles each new shape, Dask builds graphs).
+FULL_GRID_BACKENDS = ("numpy", "torch", "array_api_strict")
 
 
 def _selection() -> tuple[list[Backend], bool]:
@@ -60,8 +79,8 @@ BACKENDS, WITH_X32 = _selection()
 #: polylin's public functions: run under jit on JAX, checked lazy on Dask.
 ENTRY_POINTS = [f for f in map(polylin.__dict__.get, polylin.__all__) if inspect.isfunction(f)]
 # Dask: at most one computation inside a call: FAVOR+ persists its projection (a cached constant,
-# polylin._policy.materialized) when it is first built. tests/test_dask.py checks that the
-# default path computes nothing at all. JAX: see _under_jit.
+# polylin._backend.execution.materialized) when it is first built. tests/test_dask.py checks
+# that the default path computes nothing at all. JAX: see _under_jit.
 for _entry_point in ENTRY_POINTS:
     lazy_xp_function(_entry_point, jax_jit=False, allow_dask_compute=1)
 
@@ -125,6 +144,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "eager: call the entry points as written (no jax.jit, no Dask compute guard)"
     )
+    config.addinivalue_line(
+        "markers",
+        "slow_grid(cover=(), prefer={}, full_on=FULL_GRID_BACKENDS): the full grid on full_on, a "
+        "covering subset of the values of cover on other backends; the rest is marked slow",
+    )
     if WITH_X32 or Backend.JAX in BACKENDS or Backend.JAX_CUDA in BACKENDS:
         with contextlib.suppress(ImportError):
             import jax
@@ -149,13 +173,19 @@ def _marked(metafunc: pytest.Metafunc, name: str) -> set[Backend] | None:
 
 def _parametrizes_backend_itself(metafunc: pytest.Metafunc) -> bool:
     """A test whose own ``parametrize`` names ``backend`` (a plain value, not the fixture)."""
-    for mark in metafunc.definition.iter_markers("parametrize"):
-        names = mark.args[0]
-        if isinstance(names, str):
-            names = [n.strip() for n in names.split(",")]
-        if "backend" in names:
-            return True
-    return False
+    return _names_backend_itself(metafunc.definition)
+
+
+def _argnames(mark: pytest.Mark) -> tuple[str, ...]:
+    """The names a ``parametrize`` mark gives values to."""
+    names = mark.args[0] if mark.args else mark.kwargs["argnames"]
+    if isinstance(names, str):
+        return tuple(n.strip() for n in names.split(",") if n.strip())
+    return tuple(names)
+
+
+def _names_backend_itself(node: pytest.Item) -> bool:
+    return any("backend" in _argnames(mark) for mark in node.iter_markers("parametrize"))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -189,14 +219,82 @@ def _generated(item: pytest.Item) -> bool:
     return True
 
 
+def _covering(group: list[pytest.Item], mark: pytest.Mark) -> list[pytest.Item]:
+    """Greedily, few items of ``group`` in which every value of the parameters that ``mark``
+    covers occurs: each step takes the first item (those matching ``prefer`` first) that covers
+    the most values not yet covered; then the items the others cover are dropped (the last
+    first)."""
+    cover, prefer = mark.kwargs.get("cover", ()), mark.kwargs.get("prefer", {})
+    prefer = {k: v if isinstance(v, (list, tuple)) else [v] for k, v in prefer.items()}
+    params = [item.callspec.params for item in group]  # type: ignore[attr-defined]
+    for name in [*cover, *prefer]:
+        if name not in params[0]:
+            raise ValueError(f"{group[0].nodeid}: slow_grid names {name!r}, not a parameter")
+    order = sorted(
+        range(len(group)), key=lambda i: not all(params[i][k] in v for k, v in prefer.items())
+    )
+    wanted = [{(name, repr(params[i][name])) for name in cover} for i in range(len(group))]
+    uncovered = set().union(*wanted)
+    chosen = [order[0]] if not uncovered else []
+    while uncovered:
+        best = max(order, key=lambda i: len(wanted[i] & uncovered))
+        chosen.append(best)
+        uncovered -= wanted[best]
+    for i in sorted(chosen, key=order.index, reverse=True):  # drop what the others cover
+        others = [wanted[j] for j in chosen if j != i]
+        if others and wanted[i] <= set().union(*others):
+            chosen.remove(i)
+    return [group[i] for i in chosen]
+
+
+def _mark_slow_grids(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the combinations of ``slow_grid`` tests beyond the default run's subset."""
+    groups: dict[tuple[Any, str | None], list[pytest.Item]] = {}
+    for item in items:
+        mark = item.get_closest_marker("slow_grid")
+        if mark is None or not hasattr(item, "callspec"):
+            continue
+        backend_id = item.callspec.params.get("backend")
+        if not isinstance(backend_id, str) or _names_backend_itself(item):
+            backend_id = None
+        elif backend_id in mark.kwargs.get("full_on", FULL_GRID_BACKENDS):
+            continue
+        key = (getattr(item, "function", None), backend_id)
+        groups.setdefault(key, []).append(item)
+    for group in groups.values():
+        mark = group[0].get_closest_marker("slow_grid")
+        assert mark is not None
+        default = set(map(id, _covering(group, mark)))
+        for item in group:
+            if id(item) not in default:
+                item.add_marker(pytest.mark.slow)
+
+
+def _skip_unusable_backends(items: list[pytest.Item]) -> None:
+    """A ``skip`` mark on the items of a backend that cannot run here: they skip before any
+    fixture (the ``backend`` fixture would skip them too, after the fixtures before it)."""
+    for item in items:
+        backend_id = getattr(getattr(item, "callspec", None), "params", {}).get("backend")
+        if not isinstance(backend_id, str) or _names_backend_itself(item):
+            continue
+        b = Backend.JAX if backend_id == JAX_X32 else Backend(backend_id)
+        reason = b.unavailable_reason()
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=f"[{backend_id}] {reason}"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: slow_grid marks some items slow
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Drop the combinations that do not exist (or are marked not to be generated)."""
+    """Drop the combinations that do not exist (or are marked not to be generated), mark the
+    ``slow_grid`` combinations beyond the default subset slow, and skip unusable backends."""
     keep, drop = [], []
     for item in items:
         (keep if _generated(item) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    _mark_slow_grids(items)
+    _skip_unusable_backends(items)
 
 
 @pytest.fixture
@@ -233,6 +331,39 @@ def _float32_matmuls_at_full_precision() -> Iterator[None]:
     torch.set_float32_matmul_precision("highest")
     yield
     torch.set_float32_matmul_precision(before)
+
+
+@pytest.fixture(scope="session")
+def run_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``run_once(name, build)``: a folder that ``build(folder)`` fills once per test run.
+
+    With pytest-xdist, the first worker to ask builds it under the run's shared temporary folder
+    while the others wait for it (a file lock), then all read it: a costly module fixture (a
+    docs build, a training run, a fresh interpreter's report) runs once, not once per worker
+    that has one of its tests. A build that fails leaves nothing behind, and the next worker to
+    ask builds again (and fails the same way, in its own tests).
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, so each worker builds its own
+        fcntl = None  # type: ignore[assignment]
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER") and fcntl is not None:
+        root = root.parent  # the run's folder, above every worker's own
+
+    def once(name: str, build: Callable[[Path], None]) -> Path:
+        folder, done = root / f"once-{name}", root / f"once-{name}.done"
+        with open(root / f"once-{name}.lock", "w") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the lock file closes
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                build(folder)
+                done.touch()
+        return folder
+
+    return once
 
 
 @pytest.fixture

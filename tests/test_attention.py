@@ -41,6 +41,7 @@ def run(backend, fn, arrays, dtype, **kwargs):
 CASES = [(c, m) for m in polylin.METHODS for c in SHAPES if (c, m) != ("blocks", "recurrent")]
 
 
+@pytest.mark.slow_grid(cover=("method", "dtype"), prefer={"case": "ragged"})
 @pytest.mark.not_generated(
     reason="JAX runs the per-token loop op by op (jit would unroll it): every new shape and "
     "dtype compiles each step's operations again, ~0.7 s a case. Its 16-bit path is the chunked "
@@ -82,6 +83,7 @@ def test_output_library_device_dtype(backend, rng):
         assert out.dtype == xs[0].dtype
 
 
+@pytest.mark.slow_grid(cover=("dtype",))
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_backends_agree_with_numpy(backend, dtype, rng):
     """Same inputs, same dtype: every backend gives NumPy's answer to round-off."""
@@ -92,6 +94,7 @@ def test_backends_agree_with_numpy(backend, dtype, rng):
     np.testing.assert_allclose(backend.to_numpy(out), expected, rtol=0, atol=tol)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_position_zero_equals_v0(backend, method, rng):
     """The design note's check: o_0 = v_0 for any q_0, up to the eps in the normalizer.
@@ -108,6 +111,7 @@ def test_position_zero_equals_v0(backend, method, rng):
     assert np.all(np.abs(backend.to_numpy(out)[:, 0] - v[:, 0]) <= bound * (1 + 1e-9) + 1e-15)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_empty_sequence(backend, method):
     q = np.zeros((2, 0, 4))
@@ -116,6 +120,7 @@ def test_empty_sequence(backend, method):
     assert tuple(out.shape) == (2, 0, 3)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("t_q", [1, 7, 30])
 def test_linear_attention_cross(backend, t_q, rng):
     q = rng.standard_normal((2, t_q, 6))
@@ -127,6 +132,7 @@ def test_linear_attention_cross(backend, t_q, rng):
     )
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("causal", [True, False])
 def test_masked_kernel_attention(backend, causal, rng):
     arrays = make_qkv(rng, (3,), 12, 4, 5)
@@ -153,6 +159,7 @@ def test_feature_map_positional_and_custom(rng):
     np.testing.assert_allclose(out, masked_kernel(*arrays, feature_map=square), atol=1e-12)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_inputs_unchanged(backend, method, rng):
     arrays = make_qkv(rng, (2,), 13, 4, 3)

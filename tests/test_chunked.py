@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import polylin._chunked as chunked
+import polylin._forms.linear.chunked as chunked
 from polylin import LinearAttentionState, causal_linear_attention
 from polylin.feature_maps import favor_plus
 from polylin.testing import Backend

@@ -187,12 +187,6 @@ def reference_gates(family: str, x: dict[str, Any]) -> dict[str, Any]:
     return {"g": x.get("g"), "beta": x.get("beta"), "delta": family in DELTA}
 
 
-def supported(family: str, G: int) -> None:
-    """Skip what fla itself does not define (grouped values for the linear family)."""
-    if G > 1 and family in LINEAR:
-        pytest.skip(f"fla's {family} has one value head per query head")
-
-
 def tolerance(dtype: Any) -> dict[str, float]:
     return {"rtol": 1e-9, "atol": 1e-9}
 
@@ -202,14 +196,25 @@ def tolerance(dtype: Any) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
+#: What fla itself does not define: grouped values for the linear family, and one twin.
+NO_GROUPED_LINEAR = pytest.mark.not_generated(
+    "fla's linear family has one value head per query head", family=LINEAR, G=2
+)
+NO_RETENTION_TWIN = pytest.mark.not_generated(
+    "fla 0.6.0's retention twin is not part of polylin.compat.fla",
+    family="retention",
+    form="fused_recurrent",
+)
+
+
+@NO_GROUPED_LINEAR
+@NO_RETENTION_TWIN
+@pytest.mark.slow_grid(cover=("family",))
 @pytest.mark.parametrize("form", ["chunk", "fused_recurrent"])
 @pytest.mark.parametrize("family", LINEAR + DELTA + DPLR)
 @pytest.mark.parametrize("G", [1, 2])
 def test_op_matches_reference_with_states_and_scale(backend, family, form, G):
     """Initial and final state, an explicit scale, T not a multiple of the chunk, HV = G * H."""
-    supported(family, G)
-    if family == "retention" and form == "fused_recurrent":
-        pytest.skip("fla 0.6.0's retention twin is not part of polylin.compat.fla")
     rng = np.random.default_rng(hash((family, form, G)) % 2**32)
     B, T, H, K, V = 2, 37, 2, 4, 3
     x = make_inputs(family, rng, B, T, H, G, K, V)
@@ -238,12 +243,12 @@ def test_op_matches_reference_with_states_and_scale(backend, family, form, G):
     np.testing.assert_allclose(backend.to_numpy(o), ref_o, rtol=1e-8, atol=1e-9)
 
 
+@NO_RETENTION_TWIN
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("form", ["chunk", "fused_recurrent"])
 @pytest.mark.parametrize("family", LINEAR + DELTA + DPLR)
 def test_varlen_each_sequence_from_its_own_state(backend, family, form):
     """``cu_seqlens`` (an integer array, B == 1): sequences never see each other."""
-    if family == "retention" and form == "fused_recurrent":
-        pytest.skip("fla 0.6.0's retention twin is not part of polylin.compat.fla")
     rng = np.random.default_rng(7)
     offsets = [0, 5, 5, 17, 30]
     H, G, K, V = 2, 1 if family in LINEAR else 2, 4, 3
@@ -264,6 +269,7 @@ def test_varlen_each_sequence_from_its_own_state(backend, family, form):
     np.testing.assert_allclose(backend.to_numpy(S), ref_S, rtol=1e-8, atol=1e-9)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("form", ["chunk", "fused_recurrent"])
 def test_normalized_linear_attention_and_its_key_sum(backend, form):
     """``normalize=True``: fla's ``(kv_state, z_state)`` tuple in and out, z ``(N, 1, H, K)``."""
@@ -286,6 +292,7 @@ def test_normalized_linear_attention_and_its_key_sum(backend, form):
     assert S is None and tuple(z.shape) == (B, 1, H, K)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("family", ["gla", "gated_delta_rule"])
 def test_state_v_first_transposes_states(backend, family):
     rng = np.random.default_rng(5)
@@ -329,6 +336,7 @@ def test_l2_norm_in_kernel(family):
         np.testing.assert_allclose(S, ref_S, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize(
     ("family", "v_first"),  # fla 0.6.0's fused_recurrent_delta_rule has no state_v_first
     [

@@ -93,6 +93,7 @@ def test_layers_converted(pair):
     )
 
 
+@pytest.mark.slow_grid(cover=("pair",), prefer={"length": 37})
 @pytest.mark.parametrize("length", [1, 37, 130])
 def test_logits_agree(pair, length):
     reference, model = pair

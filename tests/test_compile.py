@@ -149,29 +149,52 @@ if hasattr(polylin, "dplr_delta_rule"):
     """
 
 
+#: The model layers' cases run in ``make test-slow``: in ``make test``, tests/test_layers.py
+#: compiles each of them, forward and step, with ``fullgraph=True`` (a graph break raises).
+SLOW_CASES = {
+    f"{layer}{call}"
+    for layer in ("GatedDeltaNet", "KimiDeltaAttention", "GatedLinearAttention", "Mamba2")
+    for call in (" layer", ".step")
+}
+
+
 @pytest.fixture(scope="module")
-def explained(torch) -> dict:
-    """``torch._dynamo.explain`` of every case, run in one fresh interpreter."""
-    cases = {name: textwrap.dedent(code) for name, code in EXPLAIN_CASES.items()}
+def explained(torch, request, run_once) -> dict:
+    """``torch._dynamo.explain`` of every case this run selected, run in one fresh interpreter
+    (once per test run, shared by pytest-xdist's workers)."""
+    selected = sorted(
+        item.callspec.params["case"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_one_graph_no_breaks_no_warnings"
+        and item.module is request.module
+    )
+    cases = {name: textwrap.dedent(EXPLAIN_CASES[name]) for name in selected}
     script = f"CASES = {json.dumps(json.dumps(cases))}\n" + EXPLAIN_SCRIPT
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS ")]
-    return json.loads(line.removeprefix("RESULTS "))
+
+    def explain(folder: Path) -> None:
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS ")]
+        (folder / "results.json").write_text(line.removeprefix("RESULTS "))
+
+    return json.loads((run_once("dynamo-explain", explain) / "results.json").read_text())
 
 
-@pytest.mark.parametrize("case", list(EXPLAIN_CASES))
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_CASES else []) for c in EXPLAIN_CASES],
+)
 def test_one_graph_no_breaks_no_warnings(explained: dict, case: str) -> None:
     """Dynamo captures the whole call in one graph and warns about nothing."""
     result = explained[case]
@@ -192,6 +215,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow_grid(cover=("first_import", "function"))
 @pytest.mark.parametrize(
     ("first_import", "function", "arguments"),
     [
@@ -221,6 +245,7 @@ def _inputs(torch, T: int = 37):
     return [torch.randn(2, 3, T, 8, generator=gen, requires_grad=True) for _ in range(3)]
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", ["chunked", "recurrent"])
 def test_compiled_forward_and_gradients_match_eager(torch, method: str) -> None:
     """``fullgraph=True`` compiles (it raises on any graph break); values and gradients agree.
@@ -273,10 +298,11 @@ def test_inductor_compiles_and_matches_eager(torch) -> None:
     np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("include_initial", [False, True])
 def test_traceable_cumulative_sum_is_the_standard_one(backend, include_initial: bool) -> None:
     """``_policy.cumulative_sum`` (torch.cumsum on PyTorch) equals ``xp.cumulative_sum``."""
-    from polylin._policy import cumulative_sum
+    from polylin._backend.ops import cumulative_sum
 
     x = backend.from_numpy(np.arange(24.0).reshape(2, 3, 4))
     xp = backend.namespace()

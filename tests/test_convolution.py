@@ -55,6 +55,7 @@ def run(backend, x, w, b=None, **options):
     return backend.to_numpy(result)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("width", [1, 2, 4])
 @pytest.mark.parametrize("T", [1, 3, 11])
 def test_matches_the_loop(backend, rng, width: int, T: int) -> None:
@@ -76,6 +77,7 @@ def test_the_last_tap_multiplies_the_current_input(backend) -> None:
     np.testing.assert_array_equal(run(backend, x, w)[:, 0], [0.0, 3.0, 2.0, 1.0])
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("split", [0, 1, 2, 5, 9])
 def test_a_prefix_state_continues_exactly(backend, rng, split: int) -> None:
     x, w, b = rng.standard_normal((2, 9, 4)), rng.standard_normal((4, 4)), rng.standard_normal(4)
@@ -119,6 +121,7 @@ def test_step_with_finished_rows_keeps_their_state(backend, rng) -> None:
         np.testing.assert_array_equal(new[row], want_state)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("padding", ["left", "right", "holes"])
 def test_masked_inputs_never_reach_a_real_output(backend, rng, padding: str) -> None:
     T = 9
@@ -175,6 +178,7 @@ def test_seq_axis(backend, rng) -> None:
     np.testing.assert_allclose(tail, out[:, 5:], rtol=1e-12)
 
 
+@pytest.mark.slow_grid(cover=("dtype",))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_dtypes(backend, rng, dtype: str) -> None:
     x, w = rng.standard_normal((2, 6, 4)), rng.standard_normal((4, 4))

@@ -60,6 +60,7 @@ def inputs(rng, T, lead=(B, H)):
 SHAPES = {"float": (29, 8), "head": (29, 8), "token": (29, 8), "channel": (45, 24)}
 
 
+@pytest.mark.slow_grid(cover=("method", "kind"))
 @pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "unnormalized"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("method", polylin.METHODS)
@@ -111,6 +112,7 @@ def test_log_decay_zero_is_no_decay(rng):
     )
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("kind", ["head", "channel"])
 def test_split_resume_across_methods(backend, kind, rng):
     """A state from one method continues in every other; initial_state decays like any state."""
@@ -162,6 +164,7 @@ def test_step_continues_chunked_prefill(backend, rng):
         np.testing.assert_allclose(backend.to_numpy(o_t), expected[..., 0, :], atol=1e-12)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("kind", ["token", "channel"])
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_padding_passes_the_state_through(backend, method, kind, rng):
@@ -188,6 +191,7 @@ def test_padding_passes_the_state_through(backend, method, kind, rng):
     np.testing.assert_allclose(backend.to_numpy(state.z), z, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("kind", ["float", "head", "token", "channel"])
 def test_cu_seqlens_each_sequence_from_its_own_state(backend, kind, rng):
     lengths = [5, 13, 1, 9]
@@ -227,6 +231,7 @@ def test_jax_jit(backend, kind, rng):
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["token", "channel"])
 @pytest.mark.only_backend(Backend.NUMPY, Backend.TORCH, Backend.JAX)
@@ -269,14 +274,15 @@ def channel_gate_reference(q, k, g):
     return A, q * np.exp(before), k * np.exp(after), whole
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("chunk", [1, 2, 8, 32])
 @pytest.mark.parametrize("decay_lead", [(2, 3), (3,)], ids=["full", "broadcast"])
 def test_channel_gate_blocks(backend, chunk, decay_lead, rng):
     """The per-channel intra-chunk scores, built level by level from blocks of 2, 4, ... tokens,
     and the factors they leave (queries decayed from the chunk start, keys to the chunk end,
     the whole chunk's decay) against the entry-by-entry float64 sums."""
-    from polylin._chunked import _channel_gate
-    from polylin._policy import array_namespace
+    from polylin._backend.namespace import array_namespace
+    from polylin._forms.linear.chunked import _channel_gate
 
     q, k = rng.standard_normal((2, 2, 3, chunk, 4))
     g = -rng.uniform(0, 3, (*decay_lead, chunk, 4))
@@ -292,8 +298,8 @@ def test_channel_gate_blocks(backend, chunk, decay_lead, rng):
 def test_channel_gate_blocks_strong_decay_float32(backend, rng):
     """Float32, log decays from 0 down to -30 per token and -1e4 (every factor underflows):
     each score keeps float32's relative accuracy, nothing overflows, an underflow is a 0."""
-    from polylin._chunked import _channel_gate
-    from polylin._policy import array_namespace
+    from polylin._backend.namespace import array_namespace
+    from polylin._forms.linear.chunked import _channel_gate
 
     q, k = (rounded(rng.standard_normal((2, 64, 8)), "float32") for _ in range(2))
     g = -30.0 * rng.uniform(0, 1, (2, 64, 8)) ** 4
@@ -315,6 +321,7 @@ def test_channel_gate_blocks_strong_decay_float32(backend, rng):
         assert np.all(np.abs(a - b) <= 2e-6 * scale + 1e-30), name
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("chunk_size", [1, 5, 100])
 def test_channel_gate_any_chunk_size(backend, chunk_size, rng):
     """The chunk is rounded up to a power of two for a per-channel gate: any chunk_size gives

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import polylin
-import polylin._delta
+import polylin._forms.delta.chunked
 from polylin import delta_rule_attention, delta_rule_step
 from polylin.testing import Backend
 
@@ -99,6 +99,7 @@ def delta(q, k, v, beta=None, **options):
     return delta_rule_attention(q, k, v, beta, **options)
 
 
+@pytest.mark.slow_grid(cover=("method", "gate"))
 @pytest.mark.parametrize("qk_l2norm, scale", OPTIONS)
 @pytest.mark.parametrize("groups", [None, 2, 4])
 @pytest.mark.parametrize("gate", ["none", "token", "channel"])
@@ -122,7 +123,7 @@ def test_matches_reference(backend, rng, method, gate, groups, qk_l2norm, scale)
 def test_any_chunk_size_and_blocks(rng, monkeypatch, chunk_size, gate):
     """Chunk lengths that are not powers of two are rounded up; blocks of one chunk too, each
     scaling its own queries."""
-    monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", 8)
+    monkeypatch.setattr(polylin._forms.delta.chunked, "BLOCK_ROWS", 8)
     q, k, v, beta, g = grouped_inputs(rng, 2, gate, length=37)
     want, want_state = reference(q, k, v, beta, g, scale=0.35)
     out, state = delta_rule_attention(
@@ -132,6 +133,7 @@ def test_any_chunk_size_and_blocks(rng, monkeypatch, chunk_size, gate):
     np.testing.assert_allclose(state, want_state, atol=ATOL64, rtol=0)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("first, second", list(itertools.permutations(polylin.DELTA_METHODS, 2)))
 def test_split_and_resume_per_channel_grouped(backend, rng, first, second):
     q, k, v, beta, g = grouped_inputs(rng, 2, "channel")
@@ -150,6 +152,7 @@ def test_split_and_resume_per_channel_grouped(backend, rng, first, second):
     close(backend, S2, want_state)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("gate", ["token", "channel"])
 def test_step_after_a_chunked_prefill(backend, rng, gate):
     q, k, v, beta, g = grouped_inputs(rng, 4, gate)
@@ -173,6 +176,7 @@ def test_step_after_a_chunked_prefill(backend, rng, gate):
     close(backend, S, want_state)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.DELTA_METHODS)
 def test_padding_left_and_right(backend, rng, method):
     """NaN at masked positions, a (B, T) mask with grouped heads and a per-channel gate."""
@@ -192,6 +196,7 @@ def test_padding_left_and_right(backend, rng, method):
     close(backend, state, want_state)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.DELTA_METHODS)
 def test_cu_seqlens_per_channel(backend, rng, method):
     offsets = [0, 5, 5, 11, T]
@@ -209,6 +214,7 @@ def test_cu_seqlens_per_channel(backend, rng, method):
         np.testing.assert_allclose(got_state[..., i, :, :], want_state, atol=ATOL64, rtol=0)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("gate", ["token", "channel"])
 @pytest.mark.parametrize("method", polylin.DELTA_METHODS)
 def test_minus_inf_gate_resets(backend, rng, method, gate):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import polylin
-import polylin._delta
+import polylin._forms.delta.chunked
 from polylin import delta_rule_attention, delta_rule_step
 from polylin.testing import Backend
 
@@ -118,6 +118,7 @@ def close(backend, got, want, atol=ATOL64):
     np.testing.assert_allclose(backend.to_numpy(got), want, atol=atol, rtol=0)
 
 
+@pytest.mark.slow_grid(cover=("method", "decay"))
 @pytest.mark.parametrize("method", polylin.DELTA_METHODS)
 @pytest.mark.parametrize("decay", ["none", "float", "per_token"])
 @pytest.mark.parametrize("beta_kind", ["float", "per_token"])
@@ -150,7 +151,7 @@ def test_matches_reference(backend, rng, method, decay, beta_kind):
 def test_any_chunk_size(rng, monkeypatch, chunk_size, block_rows):
     """Chunks of any length, powers of two or not, shorter or longer than the sequence; in one
     block or in several (eager CPU backends process blocks of chunks)."""
-    monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", block_rows)
+    monkeypatch.setattr(polylin._forms.delta.chunked, "BLOCK_ROWS", block_rows)
     q, k, v, beta, log_decay = make_inputs(rng, lead=(2,), length=37)
     want, want_state = reference(q, k, v, beta, log_decay)
     out, state = delta_rule_attention(
@@ -160,12 +161,13 @@ def test_any_chunk_size(rng, monkeypatch, chunk_size, block_rows):
     np.testing.assert_allclose(state, want_state, atol=ATOL64, rtol=0)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("first, second", [("chunked", "recurrent"), ("recurrent", "chunked")])
 def test_split_and_resume(backend, rng, monkeypatch, first, second):
     """A state from either method continues in the other; with an initial state from the start.
 
     Eager backends process the chunks in blocks of one chunk here (``BLOCK_ROWS`` small)."""
-    monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", 8)
+    monkeypatch.setattr(polylin._forms.delta.chunked, "BLOCK_ROWS", 8)
     q, k, v, beta, log_decay = make_inputs(rng)
     S0 = rng.standard_normal((*LEAD, D_K, D_V))
     want, want_state = reference(q, k, v, beta, log_decay, state=S0)
@@ -186,6 +188,7 @@ def test_split_and_resume(backend, rng, monkeypatch, first, second):
 SHARED_STATES = [(1, 3), (2, 1), ()]
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("lead", SHARED_STATES)
 @pytest.mark.parametrize("method", polylin.DELTA_METHODS)
 def test_a_shared_initial_state_broadcasts(backend, rng, method, lead):
@@ -247,6 +250,7 @@ def test_step_with_float_options_and_from_zero(rng):
     np.testing.assert_allclose(S, want_state, atol=ATOL64, rtol=0)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.DELTA_METHODS)
 def test_padding(backend, rng, method):
     """Left and right padding with NaN inputs there: masked tokens neither write nor decay."""
@@ -287,6 +291,7 @@ def test_padding_with_broadcast_mask_and_float_options(rng):
     np.testing.assert_allclose(state, want_state, atol=ATOL64, rtol=0)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.DELTA_METHODS)
 def test_cu_seqlens(backend, rng, method):
     """Packed sequences: each from its own initial state, each with its own final state."""
@@ -336,7 +341,7 @@ def test_gradients_torch(rng, monkeypatch, block_rows):
     """Gradients wrt q, k, v, beta, log_decay and the initial state: chunked == recurrent
     (with the chunks in one block, and in blocks of one chunk)."""
     torch = needs(Backend.TORCH)
-    monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", block_rows)
+    monkeypatch.setattr(polylin._forms.delta.chunked, "BLOCK_ROWS", block_rows)
     arrays, out_weight, state_weight = _loss_inputs(rng)
     grads = {}
     for method in polylin.DELTA_METHODS:
@@ -574,6 +579,7 @@ def test_positive_log_decay_is_taken_as_zero(rng):
         np.testing.assert_allclose(grad.numpy()[index], (above - below) / h, rtol=1e-4)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.DELTA_METHODS)
 def test_seq_axis(backend, rng, method):
     """(batch, T, heads, d) inputs with seq_axis=1: beta and log decay (batch, T, heads, 1), a
@@ -616,19 +622,19 @@ def test_blocks_grow_with_torch_threads(form, monkeypatch):
     result. The delta rule reads its outputs inside the loop over chunks on one thread and in
     two batched products after it on more: the two read-outs agree."""
     torch = pytest.importorskip("torch")
-    import polylin._dplr
+    import polylin._forms.dplr.chunked
 
     module, name = {
-        "delta": (polylin._delta, "_block"),
-        "dplr": (polylin._dplr, "_chunks"),
+        "delta": (polylin._forms.delta.chunked, "_block"),
+        "dplr": (polylin._forms.dplr.chunked, "_chunks"),
     }[form]
     blocks = []
     inner = getattr(module, name)
     monkeypatch.setattr(
         module, name, lambda *a, **kw: blocks.append(kw.get("in_loop")) or inner(*a, **kw)
     )
-    monkeypatch.setattr(polylin._delta, "BLOCK_ROWS", 16)
-    monkeypatch.setattr(polylin._dplr, "BLOCK_ROWS", 16)
+    monkeypatch.setattr(polylin._forms.delta.chunked, "BLOCK_ROWS", 16)
+    monkeypatch.setattr(polylin._forms.dplr.chunked, "BLOCK_ROWS", 16)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 96, 8, generator=g, dtype=torch.float64) for _ in range(3))
     k = torch.nn.functional.normalize(k, dim=-1)

@@ -134,21 +134,24 @@ def raw_tex(text: str) -> list[str]:
 
 # -- the site ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The built HTML: ``POLYLIN_DOCS_HTML`` (set by ``make test``), else a fresh build."""
+def site(run_once) -> Path:
+    """The built HTML: ``POLYLIN_DOCS_HTML`` (set by ``make test``), else a fresh build (one per
+    test run, shared by pytest-xdist's workers)."""
     built = os.environ.get("POLYLIN_DOCS_HTML")
     if built:
         path = Path(built)
         assert (path / "index.html").is_file(), f"POLYLIN_DOCS_HTML={built}: no built site there"
         return path
     pytest.importorskip("sphinx", reason="the docs tools are not installed (the docs extra)")
-    out = tmp_path_factory.mktemp("html")
-    command = [sys.executable, "-m", "sphinx", "-E", "-W", "--keep-going", "-q"]
-    command += ["-b", "html", str(DOCS), str(out)]
-    env = {**os.environ, "POLYLIN_DOCS_OFFLINE": "1"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"the docs build failed:\n{result.stdout}\n{result.stderr}"
-    return out
+
+    def build(out: Path) -> None:
+        command = [sys.executable, "-m", "sphinx", "-E", "-W", "--keep-going", "-q"]
+        command += ["-b", "html", str(DOCS), str(out)]
+        env = {**os.environ, "POLYLIN_DOCS_OFFLINE": "1"}
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, f"the docs build failed:\n{result.stdout}\n{result.stderr}"
+
+    return run_once("docs-html", build)
 
 
 def _pages(site: Path) -> list[Path]:

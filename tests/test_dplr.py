@@ -92,6 +92,7 @@ def close(backend, got, want, atol=ATOL64):
     np.testing.assert_allclose(backend.to_numpy(got), want, atol=atol, rtol=0)
 
 
+@pytest.mark.slow_grid(cover=("method", "decay"))
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("decay", DECAYS)
 @pytest.mark.parametrize("grouped", [False, True])
@@ -131,6 +132,7 @@ def test_any_chunk_size(rng, chunk_size, decay):
     np.testing.assert_allclose(state, want_state, atol=ATOL64, rtol=0)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("first, second", list(itertools.permutations(METHODS, 2)))
 def test_split_and_resume(backend, rng, first, second):
     """A state from any method continues in any other; with an initial state from the start."""
@@ -156,9 +158,9 @@ def test_split_and_resume(backend, rng, first, second):
 def test_blocks_of_one_chunk_each_scale_their_queries(rng, monkeypatch, decay):
     """Eager backends walk the chunks in blocks (here one chunk each, ``BLOCK_ROWS`` small);
     each block scales its own queries, with a state carried across blocks."""
-    import polylin._dplr
+    import polylin._forms.dplr.chunked
 
-    monkeypatch.setattr(polylin._dplr, "BLOCK_ROWS", 1)
+    monkeypatch.setattr(polylin._forms.dplr.chunked, "BLOCK_ROWS", 1)
     q, k, v, a, b, log_decay = make_inputs(rng, decay=decay)
     S0 = rng.standard_normal((*LEAD, D_K, D_V))
     want, want_state = reference(q, k, v, a, b, log_decay, state=S0, scale=0.5)
@@ -170,6 +172,7 @@ def test_blocks_of_one_chunk_each_scale_their_queries(rng, monkeypatch, decay):
     close(Backend.NUMPY, state, want_state)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("decay", ["per_token", "per_channel"])
 def test_step_continues_a_chunked_prefill(backend, rng, decay):
     q, k, v, a, b, log_decay = make_inputs(rng, decay=decay)
@@ -210,6 +213,7 @@ def test_step_with_float_decay_and_from_zero(rng):
     np.testing.assert_allclose(S, want_state, atol=ATOL64, rtol=0)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("lead", [(1, 3), (2, 1), ()])
 @pytest.mark.parametrize("method", METHODS)
 def test_a_shared_initial_state_broadcasts(backend, rng, method, lead):
@@ -230,6 +234,7 @@ def test_a_shared_initial_state_broadcasts(backend, rng, method, lead):
     close(backend, o_t, want[..., 0, :])
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("grouped", [False, True])
 def test_steps_on_a_large_state(backend, rng, grouped):
     """A state of 2^16 elements, where NumPy adds the two outer products as one matmul
@@ -249,6 +254,7 @@ def test_steps_on_a_large_state(backend, rng, grouped):
     close(backend, S, want_state)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 def test_padding(backend, rng, method):
     """Left and right padding and a hole, NaN inputs there: masked tokens neither write nor
@@ -274,6 +280,7 @@ def test_padding(backend, rng, method):
         np.testing.assert_array_equal(before, after)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 def test_cu_seqlens(backend, rng, method):
     """Packed sequences: each from its own initial state, each with its own final state."""
@@ -325,6 +332,7 @@ def test_empty_sequence_returns_a_copy_of_the_state(rng):
 
 
 # -- RWKV-7 and the special cases ---------------------------------------------------------------
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 def test_rwkv7_own_update(backend, rng, method):
     """RWKV-7's update in its own variables and orientation, state (d_v, d_k):
@@ -364,6 +372,7 @@ def _delta_inputs(rng, lead=(2, 2), length=T):
     return q, k, v, beta, log_decay
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("gated", [False, True])
 def test_equals_the_delta_rule(backend, rng, method, gated):
@@ -393,6 +402,7 @@ def kda_reference(q, k, v, beta, log_decay):
     return out
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 def test_equals_kda(backend, rng, method):
     """A gate per channel: keys beta k, a = exp(g) * k, b = -beta k, against a KDA loop and
@@ -408,6 +418,7 @@ def test_equals_kda(backend, rng, method):
     close(backend, kda, want)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("decay", ["none", "per_token", "per_channel"])
 def test_equals_linear_attention_without_low_rank(backend, rng, method, decay):
@@ -553,23 +564,26 @@ def test_gradients_are_finite_with_nan_padding(rng, method):
 
 # -- numerics -----------------------------------------------------------------------------------
 #: Length of the float32 checks: long enough for hundreds of chunks, short enough for the suite
-#: (the float64 reference is a Python loop over T).
+#: (the float64 reference is a Python loop over T). ``make test`` runs T = 8192 (128 chunks),
+#: ``make test-slow`` T = 65536.
 LONG_T = 65536
 
 
+@pytest.mark.parametrize("length", [8192, pytest.param(LONG_T, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("decays", ["rwkv7", "strong"])
-def test_float32_long_sequence(rng, decays):
+def test_float32_long_sequence(rng, decays, length):
     """float32 within 1e-5 (relative to the largest output) of the float64 recurrence at
-    T = 65536, d = 16, chunked and recurrent: RWKV-7's ranges (decays in (exp(-exp(0.5)), 1),
-    a_lr in (0, 1)), or per-channel log decays down to -30 per token. (Measured: 1.5e-7.)"""
+    T = 65536 (and 8192), d = 16, chunked and recurrent: RWKV-7's ranges (decays in
+    (exp(-exp(0.5)), 1), a_lr in (0, 1)), or per-channel log decays down to -30 per token.
+    (Measured: 1.5e-7.)"""
     d = 16
-    q, k, v = rng.standard_normal((3, 1, LONG_T, d))
-    kk = unit(rng.standard_normal((1, LONG_T, d)))
-    a_lr = rng.uniform(0.0, 1.0, (1, LONG_T, d))
+    q, k, v = rng.standard_normal((3, 1, length, d))
+    kk = unit(rng.standard_normal((1, length, d)))
+    a_lr = rng.uniform(0.0, 1.0, (1, length, d))
     if decays == "rwkv7":
-        log_decay = -np.exp(rng.uniform(-6.0, 0.5, (1, LONG_T, d)))
+        log_decay = -np.exp(rng.uniform(-6.0, 0.5, (1, length, d)))
     else:
-        log_decay = -30.0 * rng.uniform(0.0, 1.0, (1, LONG_T, d)) ** 4
+        log_decay = -30.0 * rng.uniform(0.0, 1.0, (1, length, d)) ** 4
     args = [x.astype(np.float32) for x in (q, k, v, -kk, kk * a_lr, log_decay)]
     want, want_state = reference(*args[:5], args[5])
     for method in ("chunked", "recurrent"):

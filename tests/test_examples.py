@@ -49,14 +49,17 @@ def run_script(name: str, *args: str, env: dict | None = None) -> subprocess.Com
 
 
 @pytest.fixture(scope="module")
-def torch_run(tmp_path_factory) -> Path:
-    """A tiny training run of char_lm_torch.py: its output directory."""
+def torch_run(run_once) -> Path:
+    """A tiny training run of char_lm_torch.py: its output directory (one run per test run,
+    shared by pytest-xdist's workers)."""
     pytest.importorskip("torch")
-    out = tmp_path_factory.mktemp("torch_run")
-    done = run_script("char_lm_torch.py", "--steps", TINY_STEPS, "--out", out, *TINY)
-    assert done.returncode == 0, done.stderr
-    assert "loss" in done.stderr  # the progress bar
-    return out
+
+    def train(out: Path) -> None:
+        done = run_script("char_lm_torch.py", "--steps", TINY_STEPS, "--out", out, *TINY)
+        assert done.returncode == 0, done.stderr
+        assert "loss" in done.stderr  # the progress bar
+
+    return run_once("char-lm-torch", train)
 
 
 def test_torch_training_writes_weights_vocab_sample_and_losses(torch_run: Path) -> None:
@@ -110,22 +113,25 @@ def test_numpy_generation_reproduces_the_sample_without_torch(torch_run: Path, t
 
 
 @pytest.fixture(scope="module")
-def gdn_run(tmp_path_factory) -> Path:
-    """A tiny training run of char_lm_torch.py --layer gated-deltanet: its output directory.
+def gdn_run(run_once) -> Path:
+    """A tiny training run of char_lm_torch.py --layer gated-deltanet: its output directory (one
+    run per test run, shared by pytest-xdist's workers).
 
     Twelve steps, not eight: the training text is the documentation, so every edit of a page
     moves the loss curve, and in eight steps this model's loss fell by 0.30-0.41 from one
     version of the pages to the next (0.2987 once, against the 0.3 it must learn); in twelve
     by 0.54."""
     pytest.importorskip("torch")
-    out = tmp_path_factory.mktemp("gdn_run")
-    done = run_script(
-        "char_lm_torch.py", "--steps", GDN_STEPS, "--out", out, "--layer", "gated-deltanet",
-        *TINY,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "gated-deltanet layers" in done.stdout
-    return out
+
+    def train(out: Path) -> None:
+        done = run_script(
+            "char_lm_torch.py", "--steps", GDN_STEPS, "--out", out, "--layer", "gated-deltanet",
+            *TINY,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "gated-deltanet layers" in done.stdout
+
+    return run_once("char-lm-gdn", train)
 
 
 def test_gated_deltanet_model_trains_and_numpy_serves_the_same_text(gdn_run, tmp_path) -> None:

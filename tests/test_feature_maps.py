@@ -110,6 +110,7 @@ MAPS = {
 NEW_MAPS = ["identity", "taylor_exp", "dpfp1", "dpfp3", "favor_plus", "favor_plus_iid"]
 
 
+@pytest.mark.slow_grid(cover=("name",))
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("name", list(MAPS))
 def test_map_values_shape_dtype(backend, name, dtype, rng):
@@ -131,6 +132,7 @@ def test_map_values_shape_dtype(backend, name, dtype, rng):
         np.testing.assert_allclose(backend.to_numpy(out), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("name", ["elu_plus_one", "relu", "dpfp1", "dpfp3", "favor_plus"])
 def test_features_non_negative(backend, name, rng):
     make, *_ = MAPS[name]
@@ -248,6 +250,7 @@ def _widest_float(backend):
     return np.float64 if backend.to_numpy(probe).dtype == np.float64 else np.float32
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("orthogonal", [True, False])
 def test_favor_plus_same_rows_on_every_backend(backend, orthogonal):
     """Built with the input's own library (its QR or the fallback), the rows match NumPy's."""
@@ -345,6 +348,7 @@ def test_favor_plus_estimates_the_softmax_kernel():
     assert abs(estimates.mean() - exact) < 0.02 * exact
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("causal", [True, False])
 def test_favor_plus_approximation_improves_with_features(backend, causal):
     """Fixed seed: 1024 features approximate softmax attention much better than 16."""
@@ -367,6 +371,7 @@ def test_favor_plus_approximation_improves_with_features(backend, causal):
     assert errors[1024] < 0.1
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_favor_plus_linear_forms_equal_masked_kernel(backend, method, rng):
     """Exact for any fixed map: every method equals the quadratic form with the same map."""
@@ -388,6 +393,7 @@ def test_favor_plus_linear_forms_equal_masked_kernel(backend, method, rng):
     )
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_favor_plus_state_passing_and_step(backend, method, rng):
     phi = favor_plus(D, 24, seed=9)
@@ -516,6 +522,7 @@ def test_favor_plus_inference_mode_then_training():
 # ---------------------------------------------------------------- inside attention, every map
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("name", NEW_MAPS)
 def test_new_maps_inside_causal_attention(backend, name, rng):
     make, ref_key, ref_query, _ = MAPS[name]

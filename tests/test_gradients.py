@@ -251,7 +251,7 @@ def test_backward_has_no_full_size_slices(torch):
     block or per chunk (each would allocate and zero a gradient of the whole input). Counted
     in the graph: the slicing nodes whose input has a whole sequence (T rows) are a fixed few,
     whatever the number of blocks and chunks (slices of one block's intermediates are fine)."""
-    import polylin._chunked as chunked
+    import polylin._forms.linear.chunked as chunked
 
     def slice_nodes(T_, block_bytes):
         before = chunked.BLOCK_BYTES

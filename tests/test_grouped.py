@@ -71,6 +71,7 @@ def check(backend, got, want):
     np.testing.assert_allclose(backend.to_numpy(got), want, **TOL)
 
 
+@pytest.mark.slow_grid(cover=("method", "kind"))
 @pytest.mark.parametrize("G", [2, 4])
 @pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "unnormalized"])
 @pytest.mark.parametrize("kind", KINDS)
@@ -102,6 +103,7 @@ def test_grouped_matches_repeated_and_reference(backend, method, kind, normalize
     )
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_shared_values_per_query_group(backend, method, rng):
     """The other way round (several query heads reading one key/value head, as in multi-query
@@ -125,6 +127,7 @@ def test_shared_values_per_query_group(backend, method, rng):
 MASKS = ("2-D", "full rank, shared by the group", "full rank, per group")
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_masks(backend, method, mask_kind, rng):
@@ -160,6 +163,7 @@ def test_masks(backend, method, mask_kind, rng):
     check(backend, state.z, z)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_cu_seqlens(backend, method, rng):
     G, offsets = 2, [0, 5, 6, 17]
@@ -203,6 +207,7 @@ def naive_grouped_scan(C, B_, x, dt, A, heads_per_group):
     return y
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_mamba2_groups_seq_axis_1(backend, method, rng):
     """Mamba-2 with ``ngroups`` groups of B and C, each shared by ``heads // ngroups`` heads, in
@@ -225,6 +230,7 @@ def test_mamba2_groups_seq_axis_1(backend, method, rng):
     check(backend, y, expected.reshape(batch, L, groups, per_group, p))
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("kind", ["token", "channel-shared"])
 def test_prefill_then_step(backend, kind, rng):
     """A grouped chunked prefill, then grouped decoding steps (q_t, k_t ``(B, H, 1, d_k)``,

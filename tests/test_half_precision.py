@@ -51,6 +51,7 @@ def long_reference(dtype: str) -> np.ndarray:
     return chunkwise_reference(elu_plus_one(q), elu_plus_one(k), v)
 
 
+@pytest.mark.slow_grid(cover=("dtype",))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_long_sequence_half_precision_matches_float64(backend, dtype):
     """T = 32768, d = 64, one head, chunked: finite, input dtype, close to float64."""
@@ -69,6 +70,7 @@ def test_long_sequence_half_precision_matches_float64(backend, dtype):
     np.testing.assert_allclose(backend.to_numpy(state.z), z_exact, rtol=1e-5)
 
 
+@pytest.mark.slow_grid(cover=("dtype",))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_favor_plus_half_precision(backend, dtype):
     """FAVOR+ features are computed in float32 for 16-bit inputs too."""

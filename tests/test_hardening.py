@@ -90,6 +90,7 @@ def _jitted(fn, static: tuple):
 
 
 # -- 1. masks decide by selection ------------------------------------------------------------
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("poison", POISON[:2], ids=["nan", "inf"])
 def test_padding_never_reaches_real_tokens(backend, method, poison, rng):
@@ -122,6 +123,7 @@ def test_padding_state_is_clean(backend, poison, rng):
     assert np.isfinite(backend.to_numpy(state.z)).all()
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("poison", POISON[:2], ids=["nan", "inf"])
 def test_linear_attention_key_mask_by_selection(backend, poison, rng):
     q, k, v, mask = _padded(rng)
@@ -144,6 +146,7 @@ def test_linear_attention_key_mask_by_selection(backend, poison, rng):
         )
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 def test_overflowing_masked_score_gives_the_recurrent_answer(backend, method, rng):
     """A masked (future) score overflows to inf while every input is finite: no NaN appears."""
@@ -160,6 +163,7 @@ def test_overflowing_masked_score_gives_the_recurrent_answer(backend, method, rn
     np.testing.assert_allclose(kernel, reference, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(
     ("which", "poison"),
@@ -179,6 +183,7 @@ def test_future_query_or_key_does_not_leak_backwards(backend, method, which, poi
         assert np.isnan(poisoned[:, t]).all()
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 def test_future_value_reach_is_as_documented(backend, method, rng):
     """A non-finite *value* at t (not masked): what docs/numerics.md says, exactly.
@@ -236,6 +241,7 @@ def _plain_relu(x):
     return array_api_compat.array_namespace(x).maximum(x, 0.0)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 def test_smallest_valid_eps_never_divides_zero_by_zero(backend, method, rng):
     """Fully masked rows and rows with zero features are 0/(0 + eps) = 0, not NaN."""
@@ -359,6 +365,7 @@ def test_torch_sparse_refused():
             causal_linear_attention(x, x, sparse)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("fn", ["causal", "step"])
 def test_state_of_another_dtype_refused(backend, fn, rng):
     q, k, v = (backend.from_numpy(x, "float64") for x in rng.standard_normal((3, 2, 5, 3)))
@@ -372,6 +379,7 @@ def test_state_of_another_dtype_refused(backend, fn, rng):
             step(q[:, 0, :], k[:, 0, :], v[:, 0, :], LinearAttentionState(S, z))
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 def test_empty_sequence_returns_a_new_state(backend, method, rng):
     q, k, v = (backend.from_numpy(x) for x in rng.standard_normal((3, 2, 0, 3)))
@@ -472,6 +480,7 @@ def _gates_with_positive_values(rng, shape):
     return positive, g
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("width", [1, 3], ids=["token", "channel"])
 def test_positive_log_decay_array_is_taken_as_zero(backend, width, rng):
     """One policy everywhere: array values above 0 act as 0 (a decay never amplifies), in
@@ -588,6 +597,7 @@ def test_positive_log_decay_gradient_torch(rng):
         assert grad[6, 0] == 0.0
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 def test_zero_dimensional_log_decay_array(backend, method, rng):
     """A 0-d array is a gate that broadcasts everywhere (as a number does), in every layout:

@@ -56,6 +56,7 @@ def _jit_or_call(backend, fn, *arrays, **kwargs):
 
 
 # -- seq_axis ---------------------------------------------------------------------------------
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", METHODS)
 def test_seq_axis_bthd_with_mask_and_state(backend, method, rng):
     q, k, v = _bthd(rng)
@@ -159,6 +160,7 @@ def test_seq_axis_numpy_integer(rng):
 
 
 # -- the mask rule ----------------------------------------------------------------------------
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("seq_axis", [-2, 1])
 def test_2d_mask_means_batch_and_time_when_batch_equals_heads(backend, seq_axis, rng):
     """B == H: a (B, T) mask is per sequence, never per head, in either layout."""

@@ -36,6 +36,7 @@ def reference(x, weight=None, gate=None, eps=1e-5, activation="silu", norm_befor
     return y
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 def test_gated_rms_norm(backend, rng, activation: str, norm_before_gate: bool) -> None:
@@ -62,6 +63,7 @@ def test_plain_and_grouped(backend, rng) -> None:
     np.testing.assert_allclose(backend.to_numpy(out).reshape(4, 12), want, rtol=1e-12)
 
 
+@pytest.mark.slow_grid(cover=("dtype",))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_half_precision_normalizes_in_float32(backend, rng, dtype: str) -> None:
     x = backend.from_numpy(300 * rng.standard_normal((3, 64)), dtype)  # x^2 overflows float16
@@ -84,6 +86,7 @@ def test_activations(backend) -> None:
     np.testing.assert_allclose(backend.to_numpy(softplus(xs)), want_softplus, rtol=1e-14)
 
 
+@pytest.mark.slow_grid(cover=("dtype",))
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_activations_never_overflow(backend, dtype: str) -> None:
     xs = backend.from_numpy(np.array([-6e4, -100.0, 0.0, 100.0, 6e4]), dtype)

@@ -39,9 +39,10 @@ def test_forward_benchmark(tmp_path):
     for name in ("undecayed", "scalar", "channel", "channel floor", "fla naive", "default"):
         assert row[name] > 0
     assert row["channel floor / undecayed"] == row["channel floor"] / row["undecayed"]
-    from polylin import _chunked
+    from polylin._forms.linear import chunked
 
-    assert _chunked._channel_gate.__module__ == "polylin._chunked"  # the floor's patch undone
+    # the floor's patch undone
+    assert chunked._channel_gate.__module__ == "polylin._forms.linear.chunked"
     names = [g["name"] for g in report["goals"]]
     assert "scalar / fla naive, T=128, 1 threads" in names
     assert json.loads(out.read_text())["rows"] == report["rows"]

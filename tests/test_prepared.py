@@ -60,6 +60,7 @@ def assert_same(backend, got, want):
         np.testing.assert_array_equal(backend.to_numpy(a), backend.to_numpy(b))
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("decay", [None, "number", "token", "channel"])
 @pytest.mark.parametrize("masked", [False, True])
 def test_prepare_step_equals_step(backend, rng, decay, masked):
@@ -101,6 +102,7 @@ def test_prepare_step_with_a_feature_map(backend, rng):
     assert_same(backend, got, want)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("gate", [None, "number", "token", "channel"])
 @pytest.mark.parametrize(("scale", "qk_l2norm"), [(1.0, False), (0.5, True)])
 @pytest.mark.parametrize("beta_kind", ["number", "array"])
@@ -123,6 +125,7 @@ def test_prepare_delta_rule_step_equals_delta_rule_step(
     assert_same(backend, got, want)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("gate", [None, "number", "channel"])
 def test_prepare_dplr_step_equals_dplr_step(backend, rng, gate):
     x = {name: backend.from_numpy(a) for name, a in tokens(rng).items()}
@@ -169,6 +172,7 @@ FORMS = {
 }
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("dtype", ["float64", "float16"])
 @pytest.mark.parametrize("rule", ["delta", "dplr"])

@@ -24,6 +24,7 @@ def make(rng, lead=(2,), T=T, d_k=5, d_v=3):
     )
 
 
+@pytest.mark.slow_grid(cover=("method",), prefer={"split": 5})
 @pytest.mark.parametrize("method", polylin.METHODS)
 @pytest.mark.parametrize("split", [0, 1, 5, CHUNK, 2 * CHUNK, T])
 def test_split_with_state_equals_whole(backend, method, split, rng):
@@ -71,6 +72,7 @@ def test_step_matches_whole_sequence(backend, rng):
         np.testing.assert_allclose(backend.to_numpy(o_t), expected[..., t, :], atol=1e-12)
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_prefill_then_decode(backend, method, rng):
     q, k, v = make(rng)
@@ -103,6 +105,7 @@ def test_state_size_is_constant():
     assert state.S.nbytes + state.z.nbytes == nbytes
 
 
+@pytest.mark.slow_grid(cover=("dtype",))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_state_is_float32(backend, dtype, rng):
     q, k, v = (backend.from_numpy(x, dtype) for x in make(rng))
@@ -128,6 +131,7 @@ def _masked_reference(q, k, v, mask):
     return out
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.METHODS)
 @pytest.mark.parametrize("left", [False, True], ids=["right-pad", "left-pad"])
 def test_attention_mask_padding(backend, method, left, rng):
@@ -194,6 +198,7 @@ def test_linear_attention_mask(backend, rng):
 CU_SEQLENS = [0, 7, 8, 8, 30, 41]  # lengths 7, 1, 0, 22, 11
 
 
+@pytest.mark.slow_grid
 @pytest.mark.parametrize("method", polylin.METHODS)
 def test_cu_seqlens_matches_per_sequence(backend, method, rng):
     total = CU_SEQLENS[-1]

@@ -10,6 +10,6 @@
 Both are thin translations: every number is computed by polylin's own functions.
 """
 
-from . import fla
+from ..compat import fla
 
 __all__ = ["fla"]

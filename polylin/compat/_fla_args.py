@@ -15,20 +15,23 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .._policy import array_namespace, is_array
-from .._validation import work_dtype_for
+from .._backend.namespace import array_namespace, is_array
+from .._inputs.arrays import check_floating, is_real_number, work_dtype_for
 
 __all__ = [
     "FlaHeads",
     "ScaledQuery",
+    "check_inputs",
     "common_dtype",
     "default_scale",
+    "describe",
     "in_common_dtype",
     "offsets_of",
     "pop_chunk_size",
     "reject",
     "reject_head_first",
     "state_v_first_alias",
+    "warn_head_first",
 ]
 
 #: fla's own error for the removed ``head_first`` argument (raised, as fla raises it).
@@ -39,6 +42,55 @@ def reject_head_first(kwargs: dict[str, Any]) -> None:
     """fla raises ``DeprecationWarning`` for any ``head_first`` argument: so do we."""
     if "head_first" in kwargs:
         raise DeprecationWarning(HEAD_FIRST_MESSAGE)
+
+
+def check_inputs(op: str, **arrays: Any) -> None:
+    """Check a twin's array arguments, by fla's names, before anything is computed.
+
+    Each array (each part of a tuple ``initial_state``) must have a real floating dtype: the
+    check and message of polylin's core functions, a ``TypeError`` naming the argument. fla's
+    kernels compute in floating point; an integer array would otherwise be promoted beside
+    floating ones and, as the first argument, give the output its integer dtype (truncated).
+    Numbers (a ``scale``) and ``None`` pass. The first argument (``q``, RWKV-7's ``r``) is
+    then checked for the head-first layout (:func:`warn_head_first`).
+    """
+    for name, x in arrays.items():
+        parts = enumerate(x) if isinstance(x, tuple) else ((None, x),)
+        for i, part in parts:
+            if is_array(part) and not is_real_number(part):
+                check_floating(array_namespace(part), name if i is None else f"{name}[{i}]", part)
+    first, x = next(iter(arrays.items()))
+    warn_head_first(op, first, x)
+
+
+def warn_head_first(op: str, name: str, x: Any) -> None:
+    """Warn (a ``UserWarning``) when ``x``, read as fla's ``(B, T, H, K)``, has ``1 < T < H``.
+
+    fla's ops take ``(B, T, H, K)``; a head-first ``(B, H, T, K)`` array has that shape and
+    gives a wrong answer without an error. fla warned on the same test (``T < H``); one-token
+    calls (``T == 1``, a decoding step) are exempt, whatever their number of heads.
+    """
+    if not is_array(x) or x.ndim != 4:
+        return
+    T, H = x.shape[1], x.shape[2]
+    if isinstance(T, int) and isinstance(H, int) and 1 < T < H:
+        warnings.warn(
+            f"polylin.compat.fla.{op}: {name} of shape {tuple(x.shape)} reads as fla's "
+            f"(B, T, H, K) with T={T} tokens < H={H} heads: this looks like a head-first "
+            "(B, H, T, K) input, which fla's ops do not take (computed as given, it gives a "
+            "wrong answer). Pass every input as (B, T, H, ...): x.transpose(1, 2) in PyTorch, "
+            "xp.permute_dims(x, (0, 2, 1, 3)) in any array-API library. A sequence that is "
+            "truly shorter than its number of heads is computed right as it is.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def describe(x: Any) -> str:
+    """A value as an error message shows it: an array by its shape, anything else by repr."""
+    if is_array(x) and not is_real_number(x):
+        return f"an array of shape {tuple(x.shape)}"
+    return repr(x)
 
 
 def state_v_first_alias(kwargs: dict[str, Any], state_v_first: bool) -> bool:

@@ -5,7 +5,7 @@ token, with ``T = 1`` and arguments of the same shapes every time. The first cal
 signature (each array's type, shape, dtype and device, and the options) runs the fully checked
 :func:`polylin.delta_rule_attention`, whose errors speak fla's terms; it then keeps the plan of
 :func:`polylin.delta_rule_step` for that signature, and later calls of the same signature run
-only the step's arithmetic (``polylin._prepared`` explains why a signature decides the checks).
+only the step's arithmetic (``polylin._inputs.steps`` explains why a signature decides the checks).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from .._entry import StepPlan
-from .._prepared import call_signature
+from .._inputs.sequences import StepPlan
+from .._inputs.steps import call_signature
 from ..delta_rule import _plan_step, _run_step
 from ._fla_args import FlaHeads
 

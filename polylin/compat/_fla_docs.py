@@ -2,7 +2,9 @@
 
 :func:`fla_doc` replaces each line ``    <name>`` of a docstring by the description of that name
 here (indented as a numpydoc parameter, return value or exception), so the twelve-odd ops of
-:mod:`polylin.compat.fla` say the same things in the same words.
+:mod:`polylin.compat.fla` say the same things in the same words. It also writes the layout into
+each op's first line (:data:`SUMMARY`): fla's ``(B, T, H, d)``, the layout that a head-first
+``(B, H, T, d)`` array is mistaken for.
 """
 
 from __future__ import annotations
@@ -87,12 +89,23 @@ SHARED: dict[str, str] = {
 }
 
 
+#: The start of every op's first line, as written (``{name}``: the op) and as it is shown.
+SUMMARY_WRITTEN = "Compute fla's ``{name}``"
+SUMMARY = "Compute fla's ``{name}`` on ``(B, T, H, d)`` inputs"
+
+
 def fla_doc(function: F) -> F:
-    """Expand the ``    <name>`` lines of ``function``'s docstring from :data:`SHARED`."""
+    """Expand the ``    <name>`` lines of ``function``'s docstring from :data:`SHARED`, and
+    state the layout in its first line (:data:`SUMMARY`)."""
 
     def expand(match: re.Match[str]) -> str:
         return "    " + SHARED[match.group(1)]
 
-    if function.__doc__:
-        function.__doc__ = re.sub(r"^    <(\w+)>$", expand, function.__doc__, flags=re.MULTILINE)
+    doc = function.__doc__
+    if doc:
+        written = SUMMARY_WRITTEN.format(name=function.__name__)
+        if not doc.startswith(written):
+            raise ValueError(f"{function.__name__}'s docstring must start with {written!r}")
+        doc = SUMMARY.format(name=function.__name__) + doc[len(written) :]
+        function.__doc__ = re.sub(r"^    <(\w+)>$", expand, doc, flags=re.MULTILINE)
     return function

@@ -8,7 +8,9 @@ meaning ``d_k ** -0.5`` (``chunk_rwkv7`` defaults to 1, as fla's does), states
 ``(o, final_state or None)``. They take arrays of any array-API library (NumPy, PyTorch on CPU
 or GPU, JAX, CuPy, ...) and return the inputs' library, device and dtype. ``chunk_*`` run
 polylin's chunked form, ``fused_recurrent_*`` its per-token recurrence: the same function
-either way.
+either way. An integer array argument is a ``TypeError`` naming it, and a first argument whose
+shape reads as ``T < H`` (``1 < q.shape[1] < q.shape[2]``: head-first ``(B, H, T, d)`` inputs,
+which compute a wrong answer) warns with a ``UserWarning``.
 
 The ops: ``chunk_linear_attn``, ``chunk_simple_gla``, ``chunk_gla`` and their
 ``fused_recurrent_*`` twins, ``chunk_retention`` (linear attention and its gated forms);
@@ -28,8 +30,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._policy import array_namespace, device
-from .._state import LinearAttentionState
+from .._backend.execution import check_static
+from .._backend.namespace import array_namespace, device, is_array
+from .._inputs.state import LinearAttentionState
 from .._typing import Array
 from ..attention import causal_linear_attention
 from ..delta_rule import delta_rule_attention
@@ -37,7 +40,9 @@ from ..dplr import dplr_delta_rule
 from ._fla_args import (
     FlaHeads,
     ScaledQuery,
+    check_inputs,
     default_scale,
+    describe,
     in_common_dtype,
     offsets_of,
     pop_chunk_size,
@@ -80,6 +85,14 @@ _FLA_NORMALIZER_EPS = 1e-10
 Result = tuple[Array, Any]
 
 
+def _static_flags(**flags: Any) -> None:
+    """fla's flags are taken by truthiness, as fla takes them; a traced one (under
+    ``jax.jit``) has none until the function runs: a ``TypeError`` that says how to keep it
+    static, not JAX's error about a boolean conversion."""
+    for name, value in flags.items():
+        check_static(name, value)
+
+
 # --------------------------------------------------------------------------------------------
 # The linear-attention family: causal_linear_attention(..., log_decay=..., normalize=...)
 # --------------------------------------------------------------------------------------------
@@ -102,6 +115,9 @@ def _linear_family(
     chunk_size: int = 64,
 ) -> Result:
     """One fla linear-attention op as one :func:`polylin.causal_linear_attention` call."""
+    _static_flags(
+        output_final_state=output_final_state, normalize=normalize, state_v_first=state_v_first
+    )
     kv_init, z_init = initial_state, None
     if normalize and isinstance(initial_state, tuple):
         kv_init, z_init = initial_state
@@ -192,6 +208,7 @@ def chunk_linear_attn(
     >>> o.shape, S.shape, z.shape
     ((1, 6, 2, 4), (1, 2, 4, 4), (1, 1, 2, 4))
     """
+    check_inputs("chunk_linear_attn", q=q, k=k, v=v, scale=scale, initial_state=initial_state)
     return _linear_family(
         q, k, v, log_decay=None, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, normalize=normalize, cu_seqlens=cu_seqlens,
@@ -248,6 +265,9 @@ def fused_recurrent_linear_attn(
     >>> bool(np.allclose(o, chunk_linear_attn(q, k, v, normalize=False)[0]))
     True
     """
+    check_inputs(
+        "fused_recurrent_linear_attn", q=q, k=k, v=v, scale=scale, initial_state=initial_state
+    )
     reject("fused_recurrent_linear_attn", reverse=(reverse, False))
     return _linear_family(
         q, k, v, log_decay=None, scale=scale, initial_state=initial_state,
@@ -323,6 +343,10 @@ def chunk_simple_gla(
     >>> o.shape, state.shape
     ((2, 8, 2, 4), (2, 2, 4, 4))
     """
+    check_inputs(
+        "chunk_simple_gla", q=q, k=k, v=v, g=g, g_gamma=g_gamma, scale=scale,
+        initial_state=initial_state,
+    )  # fmt: skip
     reject_head_first(kwargs)
     chunk_size = pop_chunk_size("chunk_simple_gla", kwargs, None)
     reject("chunk_simple_gla", kwargs)
@@ -388,6 +412,10 @@ def fused_recurrent_simple_gla(
     >>> bool(np.allclose(o, chunk_simple_gla(q, k, v, g)[0]))
     True
     """
+    check_inputs(
+        "fused_recurrent_simple_gla", q=q, k=k, v=v, g=g, g_gamma=g_gamma, scale=scale,
+        initial_state=initial_state,
+    )  # fmt: skip
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     reject("fused_recurrent_simple_gla", kwargs, reverse=(reverse, False))
     return _linear_family(
@@ -448,6 +476,7 @@ def chunk_gla(
     >>> bool(np.allclose(o, fused_recurrent_gla(q, k, v, g)[0]))
     True
     """
+    check_inputs("chunk_gla", q=q, k=k, v=v, g=g, scale=scale, initial_state=initial_state)
     return _linear_family(
         q, k, v, log_decay=g, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, normalize=False, cu_seqlens=cu_seqlens,
@@ -508,6 +537,9 @@ def fused_recurrent_gla(
     >>> fused_recurrent_gla(q, k, v, gk)[0].shape
     (1, 8, 2, 4)
     """
+    check_inputs(
+        "fused_recurrent_gla", q=q, k=k, v=v, gk=gk, scale=scale, initial_state=initial_state
+    )
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     reject("fused_recurrent_gla", kwargs, gv=(gv, None), reverse=(reverse, False))
     return _linear_family(
@@ -563,6 +595,7 @@ def chunk_retention(
     >>> chunk_retention(q, k, v)[0].shape
     (1, 8, 2, 4)
     """
+    check_inputs("chunk_retention", q=q, k=k, v=v, scale=scale, initial_state=initial_state)
     reject_head_first(kwargs)
     chunk_size = pop_chunk_size("chunk_retention", kwargs, None)
     reject("chunk_retention", kwargs)
@@ -605,13 +638,19 @@ def _delta_family(
     A recurrent call of one token (a decoding loop's) runs as :func:`polylin.delta_rule_step`
     once a call of its signature has been checked (``_fla_decode``).
     """
+    _static_flags(
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        state_v_first=state_v_first,
+    )  # fmt: skip
     offsets = offsets_of(cu_seqlens, cu_seqlens_cpu)
     decoding = (
         method == "recurrent" and offsets is None and getattr(q, "shape", (0, 0))[1:2] == (1,)
     )
     if decoding:
         arrays = (q, k, v, beta, g, initial_state)
-        options = (scale, bool(use_qk_l2norm_in_kernel), state_v_first)
+        # A 0-d array scale is a number here: the key must hash.
+        key_scale = None if scale is None else float(scale)
+        options = (key_scale, bool(use_qk_l2norm_in_kernel), state_v_first)
         kept = token_plan(arrays, options)
         if kept is not None:
             heads, o, S = run_token(kept, q, k, v, beta, g, initial_state, v_first=state_v_first)
@@ -708,6 +747,9 @@ def chunk_delta_rule(
     >>> bool(np.allclose(o, o_r))
     True
     """
+    check_inputs(
+        "chunk_delta_rule", q=q, k=k, v=v, beta=beta, scale=scale, initial_state=initial_state
+    )
     reject_head_first(kwargs)
     chunk_size = pop_chunk_size("chunk_delta_rule", kwargs, (16, 32, 64))
     reject("chunk_delta_rule", kwargs)
@@ -768,6 +810,10 @@ def fused_recurrent_delta_rule(
     >>> o.shape, S.shape
     ((1, 8, 2, 4), (1, 2, 4, 4))
     """
+    check_inputs(
+        "fused_recurrent_delta_rule", q=q, k=k, v=v, beta=beta, scale=scale,
+        initial_state=initial_state,
+    )  # fmt: skip
     if scale is not None and not scale > 0:
         raise ValueError("scale must be positive")
     return _delta_family(
@@ -860,6 +906,10 @@ def chunk_gated_delta_rule(
     >>> o.shape, state.shape
     ((2, 8, 4, 3), (2, 4, 4, 3))
     """
+    check_inputs(
+        "chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+        initial_state=initial_state,
+    )  # fmt: skip
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     reject_head_first(kwargs)
     chunk_size = pop_chunk_size("chunk_gated_delta_rule", kwargs, (16, 32, 64))
@@ -874,6 +924,19 @@ def chunk_gated_delta_rule(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
         method="chunked", chunk_size=chunk_size,
     )  # fmt: skip
+
+
+def _gated_delta_landing(op: str, **landed: Any) -> str:
+    """The error of a call ``(q, k, v, g, beta, more...)`` in fla 0.6's order ``(q, k, v, g,
+    gk, gv, beta, scale, ...)``: which argument landed where, and the call by keyword."""
+    where = ", ".join(f"`{name}` got {describe(x)}" for name, x in landed.items() if x is not None)
+    return (
+        f"polylin.compat.fla.{op} takes (q, k, v, g, gk, gv, beta, scale, initial_state, ...) "
+        "in this order, as fla 0.6 does: a call (q, k, v, g, beta, ...) puts beta in `gk` and "
+        f"the next positional arguments in `gv`, `beta`, `scale`, ...: {where} (a (B, T, HV) "
+        "array in `gk` is beta's shape, not a gate's (B, T, HV, K)). Pass beta and what follows "
+        f"by keyword: {op}(q, k, v, g, beta=beta, scale=..., initial_state=...)."
+    )
 
 
 @fla_doc
@@ -910,7 +973,11 @@ def fused_recurrent_gated_delta_rule(
         Log decay per token and value head, ``(B, T, HV)``.
     gk : array, optional
         Log decay per key channel, ``(B, T, HV, K)`` (the KDA transition, as
-        :func:`fused_recurrent_kda`); not together with ``g``.
+        :func:`fused_recurrent_kda`); not together with ``g``. A ``(B, T, HV)`` array here
+        beside ``g`` is read as ``beta``: the call ``(q, k, v, g, beta)`` of fla's own docs for
+        this op (whose fifth positional parameter is ``gk``) computes what
+        ``(q, k, v, g=g, beta=beta)`` does; with ``gv`` or ``beta`` also given it raises
+        ``TypeError`` saying where each argument landed.
     gv : array, optional
         Value gates: not supported.
     beta : array, optional
@@ -958,6 +1025,13 @@ def fused_recurrent_gated_delta_rule(
     """
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     op = "fused_recurrent_gated_delta_rule"
+    if g is not None and gk is not None and is_array(gk) and gk.ndim == 3:
+        # The call (q, k, v, g, beta) of fla's docs: fla 0.6's fifth parameter is gk, and a
+        # (B, T, HV) array there, beside g, is beta (a gate gk is (B, T, HV, K)).
+        if gv is not None or beta is not None:
+            raise TypeError(_gated_delta_landing(op, gk=gk, gv=gv, beta=beta, scale=scale))
+        gk, beta = None, gk
+    check_inputs(op, q=q, k=k, v=v, g=g, gk=gk, beta=beta, scale=scale, initial_state=initial_state)
     _reject_gate_options(
         op, kwargs, gv=(gv, None), use_gate_in_kernel=(use_gate_in_kernel, False),
         A_log=(A_log, None), dt_bias=(dt_bias, None),
@@ -965,7 +1039,11 @@ def fused_recurrent_gated_delta_rule(
         allow_neg_eigval=(allow_neg_eigval, False),
     )  # fmt: skip
     if g is not None and gk is not None:
-        raise NotImplementedError(f"polylin.compat.fla.{op} does not support `g` and `gk` together")
+        raise NotImplementedError(
+            f"polylin.compat.fla.{op} does not support `g` and `gk` together (pass one gate, "
+            "gk=g[..., None] + gk; if the fifth positional argument was meant as beta: fla "
+            "0.6's fifth parameter is gk, pass beta=... by keyword)"
+        )
     return _delta_family(
         op, q, k, v, beta, gk if gk is not None else g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state,
@@ -1060,6 +1138,9 @@ def chunk_kda(
     >>> bool(np.allclose(o, o_r))
     True
     """
+    check_inputs(
+        "chunk_kda", q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state
+    )
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     chunk_size = pop_chunk_size("chunk_kda", kwargs, (32, 64))
     _reject_gate_options(
@@ -1144,6 +1225,10 @@ def fused_recurrent_kda(
     >>> fused_recurrent_kda(q, k, v, g, beta)[0].shape
     (1, 8, 2, 4)
     """
+    check_inputs(
+        "fused_recurrent_kda", q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+        initial_state=initial_state,
+    )  # fmt: skip
     state_v_first = state_v_first_alias(kwargs, state_v_first)
     _reject_gate_options(
         "fused_recurrent_kda", kwargs, A_log=(A_log, None), dt_bias=(dt_bias, None),
@@ -1182,6 +1267,7 @@ def _dplr_family(
 ) -> Result:
     """One fla DPLR op as one :func:`polylin.dplr_delta_rule` call (fla's ``a`` is polylin's
     ``a``, its ``b`` polylin's ``b``, its ``gk`` polylin's ``log_decay``)."""
+    _static_flags(output_final_state=output_final_state)
     offsets = offsets_of(cu_seqlens, cu_seqlens_cpu)
     heads = FlaHeads.of(q, k, v, offsets, initial_state)
     xp = heads.xp
@@ -1307,6 +1393,10 @@ def chunk_dplr_delta_rule(
     >>> bool(np.allclose(o, o_r)), S.shape
     (True, (1, 2, 4, 4))
     """
+    check_inputs(
+        "chunk_dplr_delta_rule", q=q, k=k, v=v, a=a, b=b, gk=gk, scale=scale,
+        initial_state=initial_state,
+    )  # fmt: skip
     chunk_size = _dplr_chunk_options(
         "chunk_dplr_delta_rule", kwargs, chunk_size=chunk_size, lower_bound=lower_bound,
         cp_context=cp_context,
@@ -1375,6 +1465,10 @@ def fused_recurrent_dplr_delta_rule(
     >>> bool(np.allclose(o, np.einsum("bhts,bshd->bthd", scores, v)))
     True
     """
+    check_inputs(
+        "fused_recurrent_dplr_delta_rule", q=q, k=k, v=v, a=a, b=b, gk=gk, scale=scale,
+        initial_state=initial_state,
+    )  # fmt: skip
     reject("fused_recurrent_dplr_delta_rule", reverse=(reverse, False))
     return _dplr_family(
         q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
@@ -1458,6 +1552,9 @@ def chunk_rwkv7(
     >>> bool(np.allclose(o, o_r)), S.shape
     (True, (1, 2, 4, 4))
     """
+    check_inputs(
+        "chunk_rwkv7", r=r, w=w, k=k, v=v, a=a, b=b, scale=scale, initial_state=initial_state
+    )
     chunk_size = _dplr_chunk_options(
         "chunk_rwkv7", {}, chunk_size=chunk_size, lower_bound=lower_bound,
         cp_context=cp_context,
@@ -1525,6 +1622,10 @@ def fused_recurrent_rwkv7(
     >>> o.shape, S.shape
     ((1, 8, 2, 4), (1, 2, 4, 4))
     """
+    check_inputs(
+        "fused_recurrent_rwkv7", r=r, w=w, k=k, v=v, a=a, b=b, scale=scale,
+        initial_state=initial_state,
+    )  # fmt: skip
     return _dplr_family(
         r, k, v, a, b, w, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, method="recurrent",
@@ -1592,6 +1693,10 @@ def fused_mul_recurrent_rwkv7(
     >>> fused_mul_recurrent_rwkv7(r, w, k, v, kk, a)[0].shape
     (1, 8, 2, 4)
     """
+    check_inputs(
+        "fused_mul_recurrent_rwkv7", r=r, w=w, k=k, v=v, kk=kk, a=a, scale=scale,
+        initial_state=initial_state,
+    )  # fmt: skip
     reject("fused_mul_recurrent_rwkv7", reverse=(reverse, False))
     heads = FlaHeads.of(r, k, v, None, None)
     for name, x in (("kk", kk), ("a", a)):

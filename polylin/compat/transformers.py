@@ -18,7 +18,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from . import fla
+from ..compat import fla
 
 __all__ = ["LAYER_CLASSES", "use_polylin", "use_transformers_fallback"]
 

@@ -13,11 +13,11 @@ number comes from polylin's functions, so NumPy can serve the same weights.
 from __future__ import annotations
 
 try:
-    import torch  # noqa: F401
+    import torch
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("polylin.torch needs PyTorch: pip install 'polylin[torch]'") from exc
 
-from .._policy import resolve_torch_namespace
+from .. import activations
 from ._blocks import LayerCache, RMSNorm, ShortConvolution
 from .gated_deltanet import GatedDeltaNet
 from .gla import GatedLinearAttention
@@ -25,7 +25,10 @@ from .kda import KimiDeltaAttention
 from .linear_attention import LinearAttention
 from .mamba2 import Mamba2
 
-resolve_torch_namespace()  # polylin may have been imported before torch (see the function)
+# polylin may have been imported before torch: its first call with a tensor resolves torch's
+# array-API namespace. Made here, eagerly, so that no call traced by torch.compile is the first
+# (the trace would see the core's module globals change and compile the function twice).
+activations.silu(torch.zeros(()))
 
 __all__ = [
     "GatedDeltaNet",

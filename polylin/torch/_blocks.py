@@ -10,8 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .._state import LinearAttentionState
-from .._validation import check_flag
+from .. import LinearAttentionState
 from ..convolution import causal_conv1d, causal_conv1d_step
 from ..normalization import rms_norm
 
@@ -32,13 +31,33 @@ __all__ = [
 ]
 
 
+#: How to turn another convention's mask into polylin's, in the words of the functions' own mask
+#: errors (the layers check values, which the functions, reading dtypes only, cannot).
+_MASK_CONVERSION = (
+    "polylin's masks are boolean, True = real token (a mask selects, it is never added); "
+    "convert a 0/1 mask with {name}=(mask != 0) and an additive mask (0 for real tokens, "
+    "-inf for padding) with {name}=(mask == 0)"
+)
+
+
+def _check_flag(name: str, value: Any) -> None:
+    """A boolean option must be a Python bool (an array or ``None`` is truthy by accident)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+
+
 def _tensor(parameter: torch.Tensor | None) -> torch.Tensor | None:
     """A parameter as a plain tensor view: ``torch.compile`` traces polylin's input checks of a
     tensor, not of an ``nn.Parameter`` (its type's module name is not a constant there)."""
     return None if parameter is None else parameter[...]
 
 
-class LayerCache(NamedTuple):
+class _LayerCacheFields(NamedTuple):
+    conv_state: tuple[torch.Tensor, ...]
+    recurrent_state: Any
+
+
+class LayerCache(_LayerCacheFields):
     """What a layer needs to continue a sequence: its convolution states and recurrent state.
 
     Returned by ``forward(..., return_cache=True)`` and by ``step``, taken back by both. Its
@@ -54,6 +73,13 @@ class LayerCache(NamedTuple):
         The state of the recurrence: a :class:`polylin.LinearAttentionState` for the layers on
         :func:`polylin.causal_linear_attention` (GLA, Mamba-2), the matrix ``S`` of shape
         ``(batch, heads, d_k, d_v)`` for the delta-rule layers.
+    made_by : str, optional
+        Keyword only: the layer class and the sizes that shape its cache, as the layers record
+        them (``"GatedDeltaNet(num_heads=2, ...)"``). A layer given a cache made by another
+        kind of layer, or by one of other sizes, raises a ``ValueError`` naming both; ``None``
+        (a cache built by hand) is checked by its shapes only. It is not one of the tuple's
+        fields: a cache still unpacks, compares and prints as ``(conv_state,
+        recurrent_state)``.
 
     Examples
     --------
@@ -63,10 +89,25 @@ class LayerCache(NamedTuple):
     >>> _, cache = layer(torch.randn(1, 5, 32), return_cache=True)
     >>> [tuple(s.shape) for s in cache.conv_state], tuple(cache.recurrent_state.shape)
     ([(1, 3, 16), (1, 3, 16), (1, 3, 32)], (1, 2, 8, 16))
+    >>> cache.made_by.startswith("GatedDeltaNet(num_heads=2, num_v_heads=2, head_dim=8,")
+    True
     """
 
-    conv_state: tuple[torch.Tensor, ...]
-    recurrent_state: Any
+    #: The layer that made the cache (see the class docstring); ``None`` for one built by
+    #: hand, and for ``_make`` and ``_replace``, which bypass ``__new__``.
+    made_by: str | None = None
+
+    def __new__(
+        cls,
+        conv_state: tuple[torch.Tensor, ...],
+        recurrent_state: Any,
+        *,
+        made_by: str | None = None,
+    ) -> LayerCache:
+        cache = super().__new__(cls, conv_state, recurrent_state)
+        if made_by is not None:
+            cache.made_by = made_by
+        return cache
 
 
 class ShortConvolution(nn.Conv1d):
@@ -200,8 +241,8 @@ class RMSNorm(nn.Module):
         dtype: Any = None,
     ) -> None:
         super().__init__()
-        check_flag("norm_before_gate", norm_before_gate)
-        check_flag("elementwise_affine", elementwise_affine)
+        _check_flag("norm_before_gate", norm_before_gate)
+        _check_flag("elementwise_affine", elementwise_affine)
         self.hidden_size, self.eps, self.activation = hidden_size, eps, activation
         self.norm_before_gate, self.group_size = norm_before_gate, group_size
         if group_size is not None and hidden_size % group_size:
@@ -249,7 +290,16 @@ def check_hidden(x: Any, name: str, rank: int, hidden_size: int) -> None:
 
 def padding_mask(attention_mask: Any, shape: tuple[int, ...]) -> torch.Tensor | None:
     """A tokenizer's mask (bool or 0/1) of ``shape`` (``(batch, T)``, or ``(batch,)`` for one
-    token) as a bool tensor; ``None`` stays."""
+    token) as a bool tensor; ``None`` stays.
+
+    A boolean mask is used as given. Any other real mask must hold 0 and 1 only (1 for real
+    tokens), integer or float: other values (an additive mask, 0 for real tokens and -inf for
+    padding, which ``!= 0`` would invert) are a ``ValueError`` saying how to convert it. The
+    check reads the mask (one wait for the device on CUDA: pass a boolean mask to skip it).
+    Under ``torch.compile`` an integer mask's values are not checked (reading them would break
+    the graph; a tokenizer's mask is 0/1 by construction), a float mask's are, outside the
+    graph.
+    """
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor):
@@ -261,7 +311,31 @@ def padding_mask(attention_mask: Any, shape: tuple[int, ...]) -> torch.Tensor | 
         raise ValueError(
             f"attention_mask must have shape {layout} = {shape}, got {tuple(attention_mask.shape)}"
         )
-    return attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    if attention_mask.is_complex():
+        raise TypeError(
+            f"attention_mask must be boolean or 0/1, got {attention_mask.dtype}: "
+            f"{_MASK_CONVERSION.format(name='attention_mask')}"
+        )
+    if not torch.compiler.is_compiling():
+        _check_zero_one(attention_mask)
+    elif attention_mask.is_floating_point():
+        _check_zero_one_outside_graph(attention_mask)
+    return attention_mask != 0
+
+
+def _check_zero_one(attention_mask: torch.Tensor) -> None:
+    """A non-boolean mask holds 0 and 1 only (see :func:`padding_mask`)."""
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ValueError(
+            f"attention_mask must be boolean or hold 0 and 1 only (1 for real tokens), got a "
+            f"{attention_mask.dtype} mask with other values: "
+            f"{_MASK_CONVERSION.format(name='attention_mask')}"
+        )
+
+
+_check_zero_one_outside_graph = torch.compiler.disable(_check_zero_one)
 
 
 def inverse_softplus_dt(
@@ -301,28 +375,60 @@ def convolve(
     return outputs, tuple(new_states)
 
 
-def check_cache(cache: Any, convs: int, batch: int, state_kind: type) -> None:
-    """A cache given back to a layer is a :class:`LayerCache` with ``convs`` conv states and a
-    recurrent state of ``state_kind`` (a tensor, or a :class:`~polylin.LinearAttentionState`),
-    each for ``batch`` sequences; the shapes past the batch are checked where they are used."""
+def _another_layers_cache(origin: str, layer: str) -> ValueError:
+    """The error for a cache from another layer: where it comes from (``origin``), which
+    layer this is, what to pass instead."""
+    return ValueError(
+        f"cache is another layer's cache: {origin}, and this layer is {layer}; pass the cache "
+        "that this layer's forward(..., return_cache=True) or step returned"
+    )
+
+
+def check_cache(
+    cache: Any,
+    convs: list[ShortConvolution],
+    batch: int,
+    state_kind: type,
+    *,
+    layer: str = "this layer",
+) -> None:
+    """A cache given back to a layer is a :class:`LayerCache` with one state per convolution
+    of ``convs`` (each ``(batch, width - 1, channels)``) and a recurrent state of
+    ``state_kind`` (a tensor, or a :class:`~polylin.LinearAttentionState`) for ``batch``
+    sequences, made by ``layer`` (the layer's :attr:`LayerCache.made_by`) when it says who
+    made it; the recurrent state's shape past the batch is checked where it is used."""
     if cache is None:
         return
+    if isinstance(cache, LinearAttentionState):
+        origin = (
+            "a polylin.LinearAttentionState, the state of a polylin.torch.LinearAttention "
+            "layer (or of polylin's functions)"
+        )
+        raise _another_layers_cache(origin, layer)
     if not isinstance(cache, LayerCache):
         raise TypeError(f"cache must be a polylin.torch.LayerCache, got {type(cache).__name__}")
+    if cache.made_by is not None and cache.made_by != layer:
+        raise _another_layers_cache(f"it was made by {cache.made_by}", layer)
     conv_state = cache.conv_state
-    if not isinstance(conv_state, tuple) or len(conv_state) != convs:
+    if not isinstance(conv_state, tuple) or len(conv_state) != len(convs):
         tuple_ = isinstance(conv_state, tuple)
         got: object = len(conv_state) if tuple_ else type(conv_state).__name__
         raise ValueError(
-            f"cache.conv_state must be a tuple of {convs} convolution states for this layer, "
-            f"got {got} (is it another layer's cache?)"
+            f"cache.conv_state must be a tuple of {len(convs)} convolution states for this "
+            f"layer, got {got} (is it another layer's cache?)"
         )
-    for i, state in enumerate(conv_state):
+    for i, (state, conv) in enumerate(zip(conv_state, convs)):
         if not isinstance(state, torch.Tensor) or state.ndim != 3 or state.shape[0] != batch:
             shape = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
             raise ValueError(
                 f"cache.conv_state[{i}] must be a tensor (batch, width - 1, channels) for "
                 f"batch={batch}, got {shape}"
+            )
+        want = (batch, conv.kernel_size[0] - 1, conv.hidden_size)
+        if tuple(state.shape) != want:
+            raise ValueError(
+                f"cache.conv_state[{i}] must have shape (batch, width - 1, channels) = {want} "
+                f"for {layer}, got {tuple(state.shape)} (is it another layer's cache?)"
             )
     state = cache.recurrent_state
     kind = "a torch.Tensor" if state_kind is torch.Tensor else "a polylin.LinearAttentionState"
@@ -402,6 +508,16 @@ class Block(nn.Module):
         """The block's short convolutions, in the order of the cache's ``conv_state``."""
         return []
 
+    def _cache_sizes(self) -> dict[str, Any]:
+        """The options that shape the block's cache, by name (for :meth:`_made_by`)."""
+        return {}
+
+    def _made_by(self) -> str:
+        """The block as its caches record it (:attr:`LayerCache.made_by`): its class and the
+        sizes that shape its cache."""
+        sizes = ", ".join(f"{name}={value!r}" for name, value in self._cache_sizes().items())
+        return f"{type(self).__name__}({sizes})"
+
     def _sequence(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
     ) -> tuple[torch.Tensor, LayerCache]:
@@ -429,6 +545,7 @@ class Block(nn.Module):
             ``(batch, T)``, True (or 1) for real tokens: left or right padding. Padded tokens
             are selected away before the projections: whatever they hold, they reach no real
             output, no convolution state and no recurrent state, and their outputs are 0.
+            Other values (an additive 0/-inf mask) are an error: pass ``mask == 0`` for those.
         cache : LayerCache, optional
             The cache after earlier tokens, to continue from.
         return_cache : bool
@@ -451,16 +568,19 @@ class Block(nn.Module):
         (torch.Size([2, 6, 16]), True)
         """
         check_hidden(x, "x", 3, self.hidden_size)
-        check_flag("return_cache", return_cache)
+        _check_flag("return_cache", return_cache)
         check_dtype(x, "x", self)
-        check_cache(cache, len(self._convs()), x.shape[0], self._state_kind)
+        made_by = self._made_by()
+        check_cache(cache, self._convs(), x.shape[0], self._state_kind, layer=made_by)
         mask = padding_mask(attention_mask, tuple(x.shape[:2]))
         if mask is not None:
             x = torch.where(mask[..., None], x, 0.0)
         out, new_cache = self._sequence(x, mask, cache)
         if mask is not None:
             out = torch.where(mask[..., None], out, 0.0)
-        return (out, new_cache) if return_cache else out
+        if not return_cache:
+            return out
+        return out, LayerCache(*new_cache, made_by=made_by)
 
     def step(
         self,
@@ -501,11 +621,12 @@ class Block(nn.Module):
         """
         check_hidden(x_t, "x_t", 2, self.hidden_size)
         check_dtype(x_t, "x_t", self)
-        check_cache(cache, len(self._convs()), x_t.shape[0], self._state_kind)
+        made_by = self._made_by()
+        check_cache(cache, self._convs(), x_t.shape[0], self._state_kind, layer=made_by)
         mask = padding_mask(attention_mask, (x_t.shape[0],))
         if mask is not None:
             x_t = torch.where(mask[:, None], x_t, 0.0)
         out, new_cache = self._token(x_t, mask, cache)
         if mask is not None:
             out = torch.where(mask[:, None], out, 0.0)
-        return out, new_cache
+        return out, LayerCache(*new_cache, made_by=made_by)

@@ -11,13 +11,7 @@ from torch import nn
 
 from ..activations import sigmoid, silu
 from ..delta_rule import DELTA_METHODS, delta_rule_attention, delta_rule_step
-from ._blocks import (
-    Block,
-    LayerCache,
-    ShortConvolution,
-    convolve,
-    positive_int,
-)
+from ._blocks import Block, LayerCache, ShortConvolution, convolve, positive_int
 
 __all__ = ["DeltaRuleBlock"]
 
@@ -125,6 +119,13 @@ class DeltaRuleBlock(Block):
 
     def _convs(self) -> list[ShortConvolution]:
         return [self.q_conv1d, self.k_conv1d, self.v_conv1d] if self.use_short_conv else []
+
+    def _cache_sizes(self) -> dict[str, Any]:
+        return {
+            "num_heads": self.num_heads, "num_v_heads": self.num_v_heads,
+            "head_dim": self.head_k_dim, "head_v_dim": self.head_v_dim,
+            "use_short_conv": self.use_short_conv, "conv_size": self.conv_size,
+        }  # fmt: skip
 
     def _qkv(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None, *, one: bool

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._policy import DEFAULT_CHUNK_SIZE
+from .. import DEFAULT_CHUNK_SIZE
 from ..activations import softplus
 from ._blocks import RMSNorm, inverse_softplus_dt
 from ._delta_block import DeltaRuleBlock

@@ -8,8 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._policy import DEFAULT_CHUNK_SIZE
-from .._state import LinearAttentionState
+from .. import DEFAULT_CHUNK_SIZE, LinearAttentionState
 from ..activations import sigmoid, silu, softplus
 from ..attention import METHODS, causal_linear_attention
 from ..decoding import step as attention_step
@@ -233,6 +232,13 @@ class GatedLinearAttention(Block):
 
     def _convs(self) -> list[ShortConvolution]:
         return [self.q_conv1d, self.k_conv1d, self.v_conv1d] if self.use_short_conv else []
+
+    def _cache_sizes(self) -> dict[str, Any]:
+        return {
+            "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+            "head_k_dim": self.head_k_dim, "head_v_dim": self.head_v_dim,
+            "use_short_conv": self.use_short_conv, "conv_size": self.conv_size,
+        }  # fmt: skip
 
     def _state_in(self, cache: LayerCache | None) -> LinearAttentionState | None:
         """The cache's state over ``num_heads`` as the grouped call takes it."""

@@ -6,19 +6,17 @@ one token at a time with ``step`` and a fixed-size state instead of a KV cache.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._decay import check_log_decay_number
-from .._policy import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
-from .._prepare import resolve_feature_map
-from .._state import LinearAttentionState
-from .._validation import is_real_number
+from .. import DEFAULT_CHUNK_SIZE, DEFAULT_EPS, LinearAttentionState, feature_maps
 from ..attention import METHODS, causal_linear_attention, linear_attention
 from ..decoding import step as _step
+from ._blocks import LayerCache, padding_mask
 
 __all__ = ["LinearAttention"]
 
@@ -143,7 +141,7 @@ class LinearAttention(nn.Module):
             raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        resolve_feature_map(feature_map, dim=head_dim)  # a callable, not a factory itself
+        feature_maps.resolve_feature_map(feature_map, dim=head_dim)  # not a factory itself
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         self.causal, self.method, self.chunk_size, self.eps = causal, method, chunk_size, eps
         if not isinstance(normalize, bool):
@@ -217,13 +215,25 @@ class LinearAttention(nn.Module):
                 f"(layer.to({str(x.device)!r}))"
             )
 
+    def _check_state(self, state: Any) -> None:
+        """A :class:`~polylin.torch.LayerCache` (another layer's cache) is not this layer's
+        state: an error naming both layers, not a shape error deep inside."""
+        if isinstance(state, LayerCache):
+            made_by = state.made_by or "another polylin.torch layer"
+            raise ValueError(
+                f"state is another layer's cache: a polylin.torch.LayerCache made by {made_by}, "
+                f"and this layer is LinearAttention(num_heads={self.num_heads}, "
+                f"head_dim={self.head_dim}), whose state is a polylin.LinearAttentionState; pass "
+                "the state that this layer's forward(..., return_state=True) or step returned"
+            )
+
     def _decay_options(self, x: torch.Tensor) -> dict[str, Any]:
         """The hook's gates laid out as the functions take them: ``(batch, heads, [T,] 1)``."""
         log_decay = self.log_decay(x)
         if log_decay is None:
             return {}
-        if is_real_number(log_decay):  # the functions' policy: a number above 0 is an error
-            check_log_decay_number(log_decay)
+        if isinstance(log_decay, numbers.Real) and not isinstance(log_decay, bool):
+            return {"log_decay": log_decay}  # checked by the functions, as a number
         gates = torch.as_tensor(log_decay, dtype=x.dtype, device=x.device)
         gates = gates.expand(*x.shape[:-1], self.num_heads)
         if x.ndim == 3:  # (batch, T, heads) -> (batch, heads, T)
@@ -251,7 +261,8 @@ class LinearAttention(nn.Module):
             ``(batch, T, embed_dim)``.
         attention_mask : torch.Tensor, optional
             ``(batch, T)``, True (or 1) for real tokens, False (or 0) for padding, left or
-            right: the mask a tokenizer returns. Padded tokens add nothing to the state.
+            right: the mask a tokenizer returns. Padded tokens add nothing to the state. Other
+            values (an additive 0/-inf mask) are an error: pass ``mask == 0`` for those.
         state : LinearAttentionState, optional
             The state after earlier tokens, to continue from (causal layers only).
         return_state : bool
@@ -267,7 +278,8 @@ class LinearAttention(nn.Module):
         TypeError
             ``x`` or ``attention_mask`` not a tensor.
         ValueError
-            Wrong shapes; ``state`` or ``return_state`` on a non-causal layer.
+            Wrong shapes; ``state`` or ``return_state`` on a non-causal layer; a non-boolean
+            ``attention_mask`` with values other than 0 and 1.
 
         Examples
         --------
@@ -280,24 +292,16 @@ class LinearAttention(nn.Module):
         torch.Size([2, 5, 16])
         """
         self._check_input(x, "x", 3, "(batch, T, embed_dim)")
+        self._check_state(state)
         if not isinstance(return_state, bool):
             raise TypeError(
                 f"return_state must be True or False, got {type(return_state).__name__}"
             )
         batch, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self._heads(x))  # (batch, heads, T, head_dim)
-        mask = None
-        if attention_mask is not None:
-            if not isinstance(attention_mask, torch.Tensor):
-                raise TypeError(
-                    f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}"
-                )
-            if tuple(attention_mask.shape) != (batch, T):
-                raise ValueError(
-                    f"attention_mask must have shape (batch, T) = {(batch, T)}, "
-                    f"got {tuple(attention_mask.shape)}"
-                )
-            mask = (attention_mask != 0)[:, None, :]  # (batch, 1, T): the same for every head
+        mask = padding_mask(attention_mask, (batch, T))
+        if mask is not None:
+            mask = mask[:, None, :]  # (batch, 1, T): the same for every head
         if self.causal:
             out, new_state = causal_linear_attention(
                 q,
@@ -374,19 +378,12 @@ class LinearAttention(nn.Module):
         if not self.causal:
             raise ValueError("step needs a causal layer (causal=True)")
         self._check_input(x_t, "x_t", 2, "(batch, embed_dim)")
+        self._check_state(state)
         q_t, k_t, v_t = self._heads(x_t)  # (batch, heads, head_dim)
         options = self._decay_options(x_t)
-        if attention_mask is not None:
-            if not isinstance(attention_mask, torch.Tensor):
-                raise TypeError(
-                    f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}"
-                )
-            if tuple(attention_mask.shape) != (x_t.shape[0],):
-                raise ValueError(
-                    f"attention_mask must have shape (batch,) = ({x_t.shape[0]},), "
-                    f"got {tuple(attention_mask.shape)}"
-                )
-            options["attention_mask"] = attention_mask != 0
+        mask = padding_mask(attention_mask, (x_t.shape[0],))
+        if mask is not None:
+            options["attention_mask"] = mask
         o_t, state = _step(
             q_t, k_t, v_t, state, self.feature_map, eps=self.eps, normalize=self.normalize,
             **options,

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._policy import DEFAULT_CHUNK_SIZE
-from .._state import LinearAttentionState
-from .._validation import is_real_number
+from .. import DEFAULT_CHUNK_SIZE, LinearAttentionState
 from ..activations import silu, softplus
 from ..attention import causal_linear_attention
 from ..decoding import step as attention_step
@@ -37,7 +36,8 @@ def _check_dt_limit(dt_limit: Any) -> tuple[float, float]:
         raise TypeError(
             f"dt_limit must be a pair (low, high), got {type(dt_limit).__name__}"
         ) from None
-    if len(bounds) != 2 or not all(is_real_number(b) for b in bounds):
+    numbers_given = all(isinstance(b, numbers.Real) and not isinstance(b, bool) for b in bounds)
+    if len(bounds) != 2 or not numbers_given:
         raise ValueError(f"dt_limit must be a pair of numbers (low, high), got {dt_limit!r}")
     low, high = (float(b) for b in bounds)
     if math.isnan(low) or math.isnan(high) or low > high:
@@ -282,6 +282,13 @@ class Mamba2(Block):
 
     def _convs(self) -> list[ShortConvolution]:
         return [self.conv1d]
+
+    def _cache_sizes(self) -> dict[str, Any]:
+        return {
+            "num_heads": self.num_heads, "head_dim": self.head_dim,
+            "state_size": self.ssm_state_size, "n_groups": self.n_groups,
+            "conv_kernel": self.conv_kernel_size,
+        }  # fmt: skip
 
     def _state_in(self, cache: LayerCache | None) -> LinearAttentionState | None:
         """The cache's state over ``num_heads`` as the grouped call takes it."""

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from ._ops import read_state
-from ._policy import add_outer, scan, unstack
+from ..._backend.execution import scan
+from ..._backend.ops import add_outer, unstack, vector_times_matrix
 
 __all__ = ["causal_recurrent", "recurrent_step"]
 
@@ -42,7 +42,7 @@ def recurrent_step(
         z = factor * z
     S = add_outer(xp, S, (fk, v))
     z = z + fk
-    numerator = read_state(xp, fq, S)
+    numerator = vector_times_matrix(xp, fq, S)
     if not normalize:
         return numerator, S, z
     normalizer = xp.sum(fq * z, axis=-1, keepdims=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._ops import causal_mask, matmul, widens
-from ._policy import cumulative_sum, device
+from ..._backend.namespace import device
+from ..._backend.ops import causal_mask, cumulative_sum, matmul, widens
 
 __all__ = ["quadratic"]
 

@@ -18,27 +18,22 @@ from collections.abc import Callable, Sequence
 from itertools import pairwise
 from typing import Any, NamedTuple
 
-from ._decay import check_log_decay as _check_log_decay
-from ._decay import log_decay_values
-from ._layout import SequenceLayout
-from ._policy import is_array, is_tracer, nonpositive
-from ._prepare import finish
-from ._prepared import PER_CALL
-from ._validation import (
-    AttentionInputs,
-    check_cu_seqlens,
-    check_mask,
-    check_matrix_state,
-)
-from ._varlen import length_mask, pack, unpack
+from .._backend.namespace import is_array, is_tracer
+from .._backend.ops import nonpositive
+from .gates import check_log_decay, log_decay_values
+from .layout import SequenceLayout
+from .prepare import finish
+from .steps import PER_CALL
+from .validation import AttentionInputs, check_cu_seqlens, check_mask, check_matrix_state
+from .varlen import length_mask, pack, unpack
 
 __all__ = [
     "StepPlan",
-    "check_log_decay",
     "check_scale",
     "log_decay_shape",
     "planned_decay",
     "run_sequences",
+    "shaped_log_decay",
     "step_decay",
     "step_state",
     "used_as_given",
@@ -62,7 +57,7 @@ def check_scale(scale: Any) -> float:
     return float(scale)
 
 
-def check_log_decay(
+def shaped_log_decay(
     inputs: AttentionInputs,
     log_decay: Any,
     shape: tuple,
@@ -72,13 +67,13 @@ def check_log_decay(
 ) -> Any | None:
     """A log decay as an array of ``shape`` (last axis 1) in the work dtype, or ``None``.
 
-    The policy of every entry point (``_decay.check_log_decay``): a number above 0 is an error,
-    array values above 0 are taken as 0. With ``channels`` (``d_k``) an array whose last axis
-    has that size is one decay per key channel: the result then has ``channels`` as its last
-    axis. ``shape`` is ``(..., T, 1)``, or ``(..., 1)`` for one decoding step.
+    The policy of every entry point (:func:`polylin._inputs.gates.check_log_decay`): a number above
+    0 is an error, array values above 0 are taken as 0. With ``channels`` (``d_k``) an array whose
+    last axis has that size is one decay per key channel: the result then has ``channels`` as its
+    last axis. ``shape`` is ``(..., T, 1)``, or ``(..., 1)`` for one decoding step.
     """
     length = None if len(shape) == len(inputs.batch_shape) + 1 else shape[-2]
-    g = _check_log_decay(
+    g = check_log_decay(
         inputs,
         log_decay,
         length=length,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from itertools import pairwise
 from typing import Any
 
-from ._ops import pad_rows
+from .._backend.ops import pad_rows
 
 __all__ = ["length_mask", "pack", "unpack"]
 

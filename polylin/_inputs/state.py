@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._typing import Array
+from .._typing import Array
 
 __all__ = ["LinearAttentionState"]
 

@@ -43,8 +43,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ._ops import broadcast_shape, causal_mask, concat_leading, matmul, stack_leading
-from ._policy import cumulative_sum, device, keep_lower, splits_chunks_on_concat, unstack
+from ..._backend.execution import splits_chunks_on_concat
+from ..._backend.namespace import device
+from ..._backend.ops import (
+    broadcast_shape,
+    causal_mask,
+    concat_leading,
+    cumulative_sum,
+    keep_lower,
+    matmul,
+    stack_leading,
+    unstack,
+)
 
 __all__ = [
     "IntraChunk",

@@ -14,31 +14,42 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ._ops import broadcast_shape
-from ._policy import array_namespace, is_array, is_tracer, unsupported_array
-from ._policy import device as device_of
+from .._backend.execution import check_static
+from .._backend.namespace import device as device_of
+from .._backend.namespace import is_array
 
 if TYPE_CHECKING:
-    from ._layout import SequenceLayout
+    from .layout import SequenceLayout
+from .arrays import (
+    broadcast_shapes,
+    broadcasts_to,
+    check_beside,
+    check_device,
+    check_floating,
+    check_known_shape,
+    is_real_number,
+    namespace_of,
+    other_device,
+    work_dtype_for,
+)
 
 __all__ = [
+    "MASK_CONVERSION",
+    "NOT_GIVEN",
     "AttentionInputs",
     "Options",
-    "broadcast_shapes",
     "check_coefficient",
     "check_cu_seqlens",
     "check_flag",
     "check_mask",
     "check_matrix_state",
+    "check_method",
     "check_options",
     "check_qkv",
     "check_state",
     "check_token_mask",
     "coefficient_values",
-    "is_real_number",
-    "namespace_of",
-    "other_device",
-    "work_dtype_for",
+    "shown_shape",
 ]
 
 
@@ -56,102 +67,6 @@ class AttentionInputs(NamedTuple):
         return x if x.dtype == self.work_dtype else self.xp.astype(x, self.work_dtype)
 
 
-def _library(x: Any) -> str:
-    """A short library name for error messages."""
-    module = type(x).__module__.split(".")[0]
-    return {"jaxlib": "jax"}.get(module, module)
-
-
-def namespace_of(**arrays: Any) -> Any:
-    """Return the array-API namespace shared by the named arrays.
-
-    Raises a ``TypeError`` naming the argument that is not an array, or that comes from another
-    library than the first one.
-    """
-    xp = None
-    first = ""
-    for name, x in arrays.items():
-        if not is_array(x):
-            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-        problem = unsupported_array(x)
-        if problem is not None:
-            raise TypeError(f"{name} {problem}")
-        try:
-            this = array_namespace(x)
-        except TypeError as exc:
-            raise TypeError(f"{name}: {exc}") from None
-        if xp is None:
-            xp, first = this, name
-        elif this is not xp:
-            raise TypeError(
-                f"{name} is a {_library(x)} array but {first} is a {_library(arrays[first])} "
-                "array; pass arrays from one library"
-            )
-    return xp
-
-
-def other_device(device: Any, x: Any) -> bool:
-    """Whether ``x`` is known to live on another device than ``device``.
-
-    A JAX tracer has no device (``None``) while an array closed over under ``jit`` has one:
-    that is not a mismatch.
-    """
-    other = device_of(x)
-    return device is not None and other is not None and other != device
-
-
-def is_real_number(x: Any) -> bool:
-    """Whether ``x`` is a real number (Python or NumPy scalar), not a bool and not an array.
-
-    NumPy scalars are arrays to array-api-compat, but a caller means a number: they broadcast
-    whatever the layout, and are checked like Python numbers.
-    """
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check_device(xp: Any, device: Any, first: str, **arrays: Any) -> None:
-    for name, x in arrays.items():
-        other = device_of(x)
-        if other_device(device, x):
-            raise ValueError(f"{name} is on device {other} but {first} is on device {device}")
-
-
-def work_dtype_for(xp: Any, dtype: Any) -> Any:
-    """The dtype to accumulate in: float32 for 16-bit floats, the dtype itself otherwise.
-
-    Bit width is read from ``finfo`` rather than compared to ``xp.float16``: not every namespace
-    has float16 or bfloat16, and NumPy's ``dtype == None`` comparisons are a trap.
-    """
-    return xp.float32 if xp.finfo(dtype).bits < 32 else dtype
-
-
-def _check_floating(xp: Any, name: str, x: Any) -> None:
-    if not xp.isdtype(x.dtype, "real floating"):
-        raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
-
-
-def _check_known_shape(name: str, x: Any) -> None:
-    # Lazy libraries may not know a size until they compute (the standard says None, Dask
-    # says nan); every algorithm needs static sizes to lay out its chunks.
-    if any(s is None or (isinstance(s, float) and s != s) for s in x.shape):
-        raise ValueError(
-            f"{name} has unknown dimensions {tuple(x.shape)}; polylin needs every size known "
-            f"(for a Dask array, call {name}.compute_chunk_sizes() first)"
-        )
-
-
-def broadcast_shapes(shapes: dict[str, tuple]) -> tuple:
-    """The broadcast shape of the named shapes (the usual rules: aligned from the right, a size
-    of 1 stretches); a ``ValueError`` naming the arguments and their shapes if they do not
-    broadcast. Only shapes are combined: nothing is copied.
-    """
-    try:
-        return broadcast_shape(*shapes.values())
-    except ValueError as exc:
-        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
-        raise ValueError(f"the leading dimensions of {listed} do not broadcast ({exc})") from None
-
-
 def check_qkv(
     q: Any, k: Any, v: Any, *, causal: bool, single_token: bool = False
 ) -> AttentionInputs:
@@ -166,11 +81,11 @@ def check_qkv(
     qn, kn, vn = names = ("q_t", "k_t", "v_t") if single_token else ("q", "k", "v")
     xp = namespace_of(**{qn: q, kn: k, vn: v})
     device = device_of(q)
-    _check_device(xp, device, qn, **{kn: k, vn: v})
+    check_device(xp, device, qn, **{kn: k, vn: v})
     core, layout = (1, "(..., d)") if single_token else (2, "(..., T, d)")
     for name, x in zip(names, (q, k, v)):
-        _check_floating(xp, name, x)
-        _check_known_shape(name, x)
+        check_floating(xp, name, x)
+        check_known_shape(name, x)
         if x.ndim < core:
             raise ValueError(
                 f"{name} must have at least {core} dimensions {layout}, got shape {tuple(x.shape)}"
@@ -209,19 +124,11 @@ class Options(NamedTuple):
 NOT_GIVEN: Any = object()
 
 
-def _static(name: str, value: Any) -> None:
-    if is_tracer(value):
-        raise TypeError(
-            f"{name} must be static under jax.jit, got a traced value: pass it in "
-            f"static_argnames=({name!r},) or bind it with functools.partial"
-        )
-
-
 def check_flag(name: str, value: Any) -> None:
     """A boolean option must be a Python bool: an array, a string or ``None`` would be truthy or
     falsy by accident, and a JAX tracer (the option passed as an argument of a jitted function)
     has no truth value until the function runs."""
-    _static(name, value)
+    check_static(name, value)
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
 
@@ -237,7 +144,7 @@ def check_options(
     is any integer (``numbers.Integral``) >= 1, never a bool or ``None``; entry points without
     one leave it out. A JAX tracer for either is an error saying it must be static.
     """
-    _static("eps", eps)
+    check_static("eps", eps)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a positive real number, got {type(eps).__name__}")
     eps = float(eps)
@@ -253,7 +160,7 @@ def check_options(
             )
     if chunk_size is NOT_GIVEN:
         return Options(eps, None)
-    _static("chunk_size", chunk_size)
+    check_static("chunk_size", chunk_size)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
     if chunk_size < 1:
@@ -263,7 +170,7 @@ def check_options(
 
 def check_method(method: Any, methods: Sequence[str]) -> str:
     """Validate a ``method`` name against the allowed ones."""
-    _static("method", method)
+    check_static("method", method)
     if not isinstance(method, str) or method not in methods:
         raise ValueError(f"method must be one of {tuple(methods)}, got {method!r}")
     return method
@@ -273,15 +180,30 @@ def _check_boolean_array(
     inputs: AttentionInputs, mask: Any, name: str, query: str, true_means: str
 ) -> None:
     """A mask is a boolean array of the inputs' library and device (``query`` names the input
-    it is compared with in messages; ``true_means`` says what True selects)."""
-    if namespace_of(**{name: mask}) is not inputs.xp:
-        raise TypeError(f"{name} must be an array of the same library as {query}")
-    if other_device(inputs.device, mask):
-        raise ValueError(
-            f"{name} is on device {device_of(mask)} but {query} is on device {inputs.device}"
-        )
+    it is compared with in messages; ``true_means`` says what True selects).
+
+    The rule is the dtype's alone: boolean is accepted, any other dtype is a ``TypeError``
+    whose message says how to convert the mask. Values are never read: that would need the
+    data, which Dask and JAX under ``jit`` do not have yet, and would wait for the device on
+    CuPy or CUDA. So a 0/1 integer mask (a tokenizer's) is refused as well, with the one
+    conversion it needs, and an additive float mask (0 to keep, -inf to drop, as many
+    attention codes take it) can never be read as anything: converting it by ``!= 0`` would
+    invert it.
+    """
+    check_beside(inputs.xp, inputs.device, name, mask, query=query)
     if not inputs.xp.isdtype(mask.dtype, "bool"):
-        raise TypeError(f"{name} must be boolean (True for {true_means}), got {mask.dtype}")
+        raise TypeError(
+            f"{name} must be boolean (True for {true_means}), got {mask.dtype}: "
+            f"{MASK_CONVERSION.format(name=name)}"
+        )
+
+
+#: How to turn another convention's mask into polylin's: the tail of every mask dtype error.
+MASK_CONVERSION = (
+    "polylin's masks are boolean, True = real token (a mask selects, it is never added); "
+    "convert a 0/1 mask with {name}=(mask != 0) and an additive mask (0 for real tokens, "
+    "-inf for padding) with {name}=(mask == 0)"
+)
 
 
 def check_mask(
@@ -303,7 +225,7 @@ def check_mask(
     """
     xp = inputs.xp
     _check_boolean_array(inputs, attention_mask, name, "q", "real tokens")
-    _check_known_shape(name, attention_mask)
+    check_known_shape(name, attention_mask)
     batch = inputs.batch_shape
     n_lead = len(batch)
     axis = n_lead if layout is None else layout.axis
@@ -394,7 +316,7 @@ def check_state(
     if namespace_of(**{f"{name}.S": S, f"{name}.z": z}) is not xp:
         raise TypeError(f"{name} must hold arrays of the same library as q")
     for part, x in (("S", S), ("z", z)):
-        _check_known_shape(f"{name}.{part}", x)
+        check_known_shape(f"{name}.{part}", x)
         if other_device(inputs.device, x):
             raise ValueError(
                 f"{name}.{part} is on device {device_of(x)} but q is on device {inputs.device}"
@@ -409,7 +331,7 @@ def check_state(
             )
     S_shape, z_shape = tuple(S.shape), tuple(z.shape)
     want = (*batch_shape, d_phi, d_v)
-    fits = _broadcasts_to
+    fits = broadcasts_to
     if not (fits(S_shape, want, 2) and fits(z_shape, (*batch_shape, d_phi), 1)):
         if (
             token_shape is not None
@@ -436,17 +358,6 @@ def check_state(
     if z_shape != want[:-1]:
         z = xp.broadcast_to(z, want[:-1])
     return S, z
-
-
-def _broadcasts_to(got: tuple, expected: tuple, core: int) -> bool:
-    """Whether a state of shape ``got`` serves ``expected``: the last ``core`` axes equal, the
-    leading ones broadcast (a state shared by a batch, or by grouped heads)."""
-    lead, full = got[: len(got) - core], expected[: len(expected) - core]
-    return (
-        got[len(got) - core :] == expected[len(expected) - core :]
-        and len(lead) <= len(full)
-        and all(g in (1, f) for g, f in zip(reversed(lead), reversed(full)))
-    )
 
 
 def _token_with_time_axis(token_shape: tuple, state_shape: tuple) -> ValueError:
@@ -482,26 +393,21 @@ def check_matrix_state(
             f"{name} must be one array S of shape {shape}, got a {type(state).__name__} "
             "(a tuple such as LinearAttentionState belongs to causal_linear_attention)"
         )
-    if namespace_of(**{name: state}) is not xp:
-        raise TypeError(f"{name} must be an array of the same library as q")
-    if other_device(inputs.device, state):
-        raise ValueError(
-            f"{name} is on device {device_of(state)} but q is on device {inputs.device}"
-        )
-    _check_floating(xp, name, state)
+    check_beside(xp, inputs.device, name, state)
+    check_floating(xp, name, state)
     if state.dtype != inputs.work_dtype:
         # A silent cast would lose precision one way or change a higher-precision run the other.
         raise TypeError(
             f"{name} has dtype {state.dtype} but inputs of dtype {inputs.dtype} are computed in "
             f"{inputs.work_dtype}; pass a state of that dtype (the one polylin returns)"
         )
-    _check_known_shape(name, state)
+    check_known_shape(name, state)
     got = tuple(state.shape)
     if got == shape:
         return state
     if token_shape is not None and token_shape[-2:-1] == (1,) and got[:-2] == token_shape[:-2]:
         raise _token_with_time_axis(token_shape, got)
-    if not _broadcasts_to(got, shape, 2):
+    if not broadcasts_to(got, shape, 2):
         raise ValueError(
             f"{name} must have shape {shape} (leading axes of size 1 broadcast), got {got}"
         )
@@ -535,23 +441,25 @@ def check_coefficient(
         return xp.full(shape, value, dtype=inputs.work_dtype, device=inputs.device)
     if not is_array(x):
         raise TypeError(f"{name} must be a float or an array, got {type(x).__name__}")
-    if namespace_of(**{name: x}) is not xp:
-        raise TypeError(f"{name} must be an array of the same library as q")
-    if other_device(inputs.device, x):
-        raise ValueError(f"{name} is on device {device_of(x)} but q is on device {inputs.device}")
+    check_beside(xp, inputs.device, name, x)
     if x.dtype != inputs.dtype:
         raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {inputs.dtype}")
-    _check_known_shape(name, x)
+    check_known_shape(name, x)
     got = tuple(x.shape)
     if len(got) > len(shape) or not all(
         m in (1, f) for m, f in zip(reversed(got), reversed(shape))
     ):
-        shown = (lambda s: s) if layout is None else layout.caller_shape
         raise ValueError(
-            f"{name} must broadcast to {shown(shape)} (one value per {per}: last axis "
-            f"{shape[-1]}), got {shown(got)}"
+            f"{name} must broadcast to {shown_shape(layout, shape)} (one value per {per}: last "
+            f"axis {shape[-1]}), got {shown_shape(layout, got)}"
         )
     return coefficient_values(inputs, x, shape)
+
+
+def shown_shape(layout: SequenceLayout | None, shape: tuple) -> tuple:
+    """``shape``, a shape in the standard layout, as the caller sees it: in ``layout`` (the
+    caller's ``SequenceLayout``; ``None``: the standard layout), for error messages."""
+    return tuple(shape) if layout is None else layout.caller_shape(tuple(shape))
 
 
 def coefficient_values(inputs: AttentionInputs, x: Any, shape: tuple) -> Any:

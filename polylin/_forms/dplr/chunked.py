@@ -15,11 +15,11 @@ For token t, with ``g_t`` a log decay per key channel (or one per token, or none
     o_t = (q_t * E_t0) . S + sum_{s<=t} (q_t . k_s)_E v_s + sum_{s<=t} (q_t . b_s)_E r_s
 
 where ``(x . y)_E = sum_c x_c y_c E_tsc``: four matrices of decayed inner products and a unit
-lower-triangular system ``(I - L) R = ...`` with ``L_ts = (a_t . b_s)_F``. The quadratic form
-builds them over the whole sequence from segment sums; the chunked form within each chunk with
-the shared "decayed inner products within a chunk" block (:mod:`polylin._intra_chunk`, whose
-``"read"`` kinds give the ``F`` matrices and the inverse of ``I - L`` level by level), then
-carries the state from chunk to chunk. No exponent is ever positive.
+lower-triangular system ``(I - L) R = ...`` with ``L_ts = (a_t . b_s)_F``. The quadratic form builds
+them over the whole sequence from segment sums; the chunked form within each chunk with the shared
+"decayed inner products within a chunk" block (:mod:`polylin._forms.common.intra_chunk`, whose
+``"read"`` kinds give the ``F`` matrices and the inverse of ``I - L`` level by level), then carries
+the state from chunk to chunk. No exponent is ever positive.
 
 Every function takes ``xp`` and arrays already validated, masked (masked tokens have zero
 ``q, k, v, a, b`` and ``g = 0``) and in the work dtype: ``q, k, a, b`` are ``(..., T, d_k)``,
@@ -31,110 +31,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._intra_chunk import (
-    READ_SCORES,
-    READ_SOLVE,
-    SCORES,
-    intra_chunk,
-    segment_sums,
-    unit_lower_inverse,
-)
-from ._ops import causal_mask, pad_rows, read_state, split_rows
-from ._policy import add_outer, cpu_threads, cumulative_sum, device, eager_cpu, unstack
+from ..._backend.execution import cpu_threads, eager_cpu
+from ..._backend.namespace import device
+from ..._backend.ops import pad_rows, split_rows, unstack
+from ..common.intra_chunk import READ_SCORES, READ_SOLVE, SCORES, intra_chunk
 
-__all__ = ["BLOCK_ROWS", "dplr_chunked", "dplr_quadratic", "dplr_recurrent", "dplr_step"]
-
-
-def dplr_step(
-    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any | None, S: Any
-) -> tuple[Any, Any]:
-    """One token: ``(o_t, S_t)``. ``q, k, a, b`` are ``(..., d_k)``, ``v`` ``(..., d_v)``,
-    ``decay`` (``exp(g_t)``, not its log) ``(..., 1 or d_k)`` or ``None``, ``S`` the state."""
-    read = read_state(xp, a, S)  # a_t^T S_{t-1}, before the decay
-    if decay is not None:
-        S = S * decay[..., :, None]
-    S = add_outer(xp, S, (b, read), (k, v))
-    return read_state(xp, q, S), S
-
-
-def dplr_recurrent(
-    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, g: Any | None, S: Any
-) -> tuple[Any, Any]:
-    """T sequential updates from the state ``S``: ``(out, S_T)``."""
-    T = q.shape[-2]
-    if T == 0:
-        return v[..., :0, :], S
-    # One unstack per input (a single op for autograd) rather than a slice per token.
-    qs, ks, vs, as_, bs = (unstack(xp, x, axis=-2) for x in (q, k, v, a, b))
-    decays: list[Any] = [None] * T if g is None else list(unstack(xp, xp.exp(g), axis=-2))
-    outputs = []
-    for t in range(T):
-        o, S = dplr_step(xp, qs[t], ks[t], vs[t], as_[t], bs[t], decays[t], S)
-        outputs.append(o)
-    return xp.stack(outputs, axis=-2), S
-
-
-def _rows_down(xp: Any, M: Any) -> Any:
-    """``M`` with its rows moved one down along axis -2, a zero row first."""
-    zeros = xp.zeros((*M.shape[:-2], 1, M.shape[-1]), dtype=M.dtype, device=device(M))
-    return xp.concat([zeros, M[..., :-1, :]], axis=-2)
-
-
-def _decayed_products(xp: Any, X: Any, Y: Any, E: Any | None) -> Any:
-    """``sum_c X_tc Y_sc E_tsc`` for every pair ``(t, s)``: ``(..., T, T)``.
-
-    ``E`` is ``(..., T, T, 1 or d)`` (0 where a pair does not interact) or ``None`` (no decay).
-    """
-    products = xp.matmul(X, xp.matrix_transpose(Y))
-    if E is None:
-        return products
-    if E.shape[-1] == 1:
-        return products * E[..., 0]
-    return xp.sum(X[..., :, None, :] * Y[..., None, :, :] * E, axis=-1)
-
-
-def dplr_quadratic(
-    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, g: Any | None, S: Any
-) -> tuple[Any, Any]:
-    """The whole sequence as one block: ``T x T`` matrices, ``O(T^2 d)`` time and memory
-    (``O(T^2 d_k)`` for a gate per channel). The reference for the chunked form."""
-    T = q.shape[-2]
-    if T == 0:
-        return v[..., :0, :], S
-    dev = device(q)
-    causal = causal_mask(xp, T, T, dev)  # s <= t: the outputs' pairs
-    strict = causal_mask(xp, T, T, dev, strict=True)  # s < t: the reads' pairs
-    if g is None:
-        E = F = None
-        queries, reads, keys, values, total = q, a, k, b, None
-    else:
-        # Each exponent is a segment sum of its own terms: <= 0, and exact at strong gates.
-        seg = segment_sums(xp, g, axis=-2)  # (..., T, T, w): sum_{s<r<=t} g_r
-        seg_read = _rows_down(xp, xp.reshape(seg, (*seg.shape[:-2], -1)))  # sum_{s<r<t} g_r
-        seg_read = xp.reshape(seg_read, seg.shape)
-        E = xp.where(causal[:, :, None], xp.exp(seg), 0.0)
-        F = xp.where(strict[:, :, None], xp.exp(seg_read), 0.0)
-        before = cumulative_sum(xp, g, axis=-2, include_initial=True)  # sum_{r<=t}, from 0
-        queries = q * xp.exp(before[..., 1:, :])
-        reads = a * xp.exp(before[..., :-1, :])
-        after = xp.exp(seg[..., -1, :, :])  # the decay from s (exclusive) to the end
-        keys, values = k * after, b * after
-        total = xp.matrix_transpose(xp.exp(before[..., -1:, :]))  # (..., w, 1)
-    A_qk = xp.where(causal, _decayed_products(xp, q, k, E), 0.0)
-    A_qb = xp.where(causal, _decayed_products(xp, q, b, E), 0.0)
-    A_ak = xp.where(strict, _decayed_products(xp, a, k, F), 0.0)
-    L = xp.where(strict, _decayed_products(xp, a, b, F), 0.0)
-    size = 1 << (T - 1).bit_length()  # the inversion merges blocks of powers of two
-    if size != T:  # zero rows and columns: identity rows, the leading T x T block unchanged
-        L = xp.matrix_transpose(
-            pad_rows(xp, xp.matrix_transpose(pad_rows(xp, L, size - T)), size - T)
-        )
-    inverse = unit_lower_inverse(xp, L)[..., :T, :T] if size != T else unit_lower_inverse(xp, L)
-    R = xp.matmul(inverse, xp.matmul(reads, S) + xp.matmul(A_ak, v))  # the reads r_t
-    out = xp.matmul(queries, S) + xp.matmul(A_qk, v) + xp.matmul(A_qb, R)
-    kept = S if total is None else total * S
-    S = kept + xp.matmul(xp.matrix_transpose(keys), v) + xp.matmul(xp.matrix_transpose(values), R)
-    return out, S
+__all__ = ["BLOCK_ROWS", "dplr_chunked"]
 
 
 #: Rows (batch x tokens) per block of chunks and per thread (``_policy.cpu_threads``) on eager
@@ -164,7 +66,7 @@ def dplr_chunked(
     inner products and the inverse of ``I - L``; then ``R = U + W S`` and the state update per
     chunk, two small matmuls each in the sequential loop over chunks. On eager CPU backends the
     chunks are processed in blocks of about :data:`BLOCK_ROWS` rows per thread, cut by one
-    reshape and one ``unstack`` per input (:func:`polylin._ops.split_rows`); lazy and
+    reshape and one ``unstack`` per input (:func:`polylin._backend.ops.split_rows`); lazy and
     accelerator backends get one block. ``scale`` multiplies each block's queries (one pass
     over a block in cache, not a scaled copy of the whole sequence).
     """

@@ -14,36 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._policy import array_namespace, is_array
-from ._validation import AttentionInputs
-from .feature_maps import FavorPlusFeatureMap, dpfp, elu_plus_one, favor_plus
+from .._backend.namespace import array_namespace, is_array
+from ..feature_maps import FavorPlusFeatureMap, resolve_feature_map
+from .validation import AttentionInputs
 
 __all__ = ["apply_feature_map", "finish", "map_features", "resolve_feature_map", "select"]
-
-
-def resolve_feature_map(
-    feature_map: Callable[[Any], Any] | None, *, dim: int | str = "d_k"
-) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """The maps of the queries and of the keys: ``elu_plus_one`` for ``None``.
-
-    A map may treat queries differently (FAVOR+ shifts each query row by its max, which cancels
-    between numerator and normalizer; a per-key shift would not): see ``map_query``. A factory
-    of :mod:`polylin.feature_maps` passed itself (``favor_plus`` for ``favor_plus(d_k)``) is a
-    ``TypeError`` saying how to call it; ``dim`` is the key size shown there.
-    """
-    if feature_map is None:
-        return elu_plus_one, elu_plus_one
-    if not callable(feature_map):
-        raise TypeError(
-            f"feature_map must be a callable from array to array, got {type(feature_map).__name__}"
-        )
-    if feature_map is favor_plus or feature_map is dpfp:
-        call = f"favor_plus({dim})" if feature_map is favor_plus else "dpfp()"
-        raise TypeError(
-            f"feature_map={feature_map.__name__} is the factory that builds a feature map, not "
-            f"a feature map: call it, e.g. feature_map={call}"
-        )
-    return getattr(feature_map, "map_query", feature_map), feature_map
 
 
 def map_features(

@@ -9,20 +9,20 @@ initial state and the written corrections ``w_t = beta_t (v_t - S'_t^T k_t)`` as
     O    = (Q * exp(b)) S_0 + P W,   P_ts = sum_c q_tc k_sc exp(sum_{s<r<=t} g_rc)   for s <= t
     S_T  = diag(exp(b_T)) S_0 + (K * exp(b_T - b))^T W
 
-The masked matrices come from the segment sums of the gate (as the masked kernel reference of
-linear attention builds its scores, :func:`polylin._intra_chunk.segment_sums`), so a ``-inf``
+The masked matrices come from the segment sums of the gate (as the masked kernel reference of linear
+attention builds its scores, :func:`polylin._forms.common.intra_chunk.segment_sums`), so a ``-inf``
 gate is an exact reset; the unit lower-triangular system is solved exactly by the log-depth
-inversion of :func:`polylin._intra_chunk.unit_lower_inverse` (the sequence zero-padded to a
-power of two). Nothing here is chunked: it is the family's independent parallel reference.
+inversion of :func:`polylin._forms.common.intra_chunk.unit_lower_inverse` (the sequence zero-padded
+to a power of two). Nothing here is chunked: it is the family's independent parallel reference.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._intra_chunk import scalar_gate_scores, segment_sums, unit_lower_inverse
-from ._ops import causal_mask, matmul, pad_rows
-from ._policy import cumulative_sum, device
+from ..._backend.namespace import device
+from ..._backend.ops import causal_mask, cumulative_sum, matmul, pad_rows
+from ..common.intra_chunk import scalar_gate_scores, segment_sums, unit_lower_inverse
 
 __all__ = ["delta_quadratic"]
 

@@ -21,7 +21,7 @@ import numbers
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from ._policy import is_tracer
+from .._backend.namespace import is_tracer
 
 __all__ = ["PER_CALL", "PreparedStep", "call_signature"]
 

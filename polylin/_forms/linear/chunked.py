@@ -22,8 +22,8 @@ over blocks of 2, 4, ..., C tokens (C rounded up to a power of two): in every bl
 of the lower half meet the keys of the upper half through the block's middle, both factors
 <= 1, one batched matmul per level (:func:`_channel_gate`). Its factors are products of the
 per-token ``exp(g_t)``; after the last level they are the ``exp(b)``, ``exp(B - b)`` and
-``exp(B)`` of the formulas above. Both constructions live in :mod:`polylin._intra_chunk`,
-shared with the delta rule's chunked form.
+``exp(B)`` of the formulas above. Both constructions live in
+:mod:`polylin._forms.common.intra_chunk`, shared with the delta rule's chunked form.
 
 The normalizer's running sum ``z`` is carried like one more column of ``S`` (as if V had a
 column of ones: the increments get the column sums of K, the intra-chunk normalizers the row
@@ -53,25 +53,22 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ._intra_chunk import SCORES, intra_chunk, scalar_gate_scores
-from ._ops import (
+from ..._backend.execution import eager_cpu, rows_in_whole_chunks
+from ..._backend.namespace import device
+from ..._backend.ops import (
+    add_matmul,
     causal_mask,
     concat_leading,
+    cumulative_sum,
     dense,
+    keep_lower,
     matmul,
-    matmul_add,
     pad_rows,
     split_rows,
+    unstack,
     widens,
 )
-from ._policy import (
-    cumulative_sum,
-    device,
-    eager_cpu,
-    keep_lower,
-    rows_in_whole_chunks,
-    unstack,
-)
+from ..common.intra_chunk import SCORES, intra_chunk, scalar_gate_scores
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
@@ -224,7 +221,7 @@ def _block(
             increments = _increments(xp, keys, V)
     states, S = _prefix(xp, increments[0], decay, S, chained=chained)
     z_states, z = _prefix(xp, increments[1], decay, z, chained=chained)
-    out = matmul_add(xp, _from_states(xp, queries, states, weights), scores, V)  # one baddbmm
+    out = add_matmul(xp, _from_states(xp, queries, states, weights), scores, V)  # one baddbmm
     out = _rows(xp, out, padded, length)
     if not normalize:
         return out, S, z
@@ -269,7 +266,8 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     Returns ``(A, Q * exp(b), K * exp(B - b), exp(B))``: the scores
     ``A_ts = sum_c q_tc k_sc exp(sum_{s<r<=t} g_rc)`` for ``s <= t`` (0 above the diagonal),
     ``(..., n, C, C)``, and the factors that carry the state across chunks (module docstring),
-    built level by level by :func:`polylin._intra_chunk.intra_chunk`. C is a power of two.
+    built level by level by :func:`polylin._forms.common.intra_chunk.intra_chunk`. C is a power
+    of two.
     """
     blocks = intra_chunk(xp, K, G, [(Q, SCORES)])
     return blocks.matrices[0], blocks.rows[0], blocks.keys, blocks.whole

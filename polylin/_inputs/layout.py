@@ -12,7 +12,8 @@ With ``seq_axis=1`` and ``(batch, T, heads, d)`` inputs, the standard layout is
 feature axis, in their order.
 
 An entry point adopts ``seq_axis`` with two lines, and passes ``layout`` to
-:func:`polylin._validation.check_mask` so that masks follow the mask rule in the caller's layout::
+:func:`polylin._inputs.validation.check_mask` so that masks follow the mask rule in the
+caller's layout::
 
     layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)  # first thing
     ...
@@ -24,8 +25,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, NamedTuple
 
-from ._policy import is_array, is_tracer
-from ._validation import is_real_number, namespace_of
+from .._backend.namespace import is_array, is_tracer
+from .arrays import is_real_number, namespace_of
 
 __all__ = ["DEFAULT_SEQ_AXIS", "SequenceLayout", "standard_layout"]
 

@@ -17,7 +17,7 @@ rows of ``W``::
     S' = diag(exp(B)) S + (K * exp(B - b))^T W
 
 No exponent is formed as a difference of cumulative sums: ``P``, ``A`` and every factor are
-built by :func:`polylin._intra_chunk.intra_chunk` from products of per-token factors
+built by :func:`polylin._forms.common.intra_chunk.intra_chunk` from products of per-token factors
 ``exp(g_t) <= 1`` (a scalar gate's ``P`` from segment sums of the gate), so a ``-inf`` gate is
 an exact reset and float32 keeps its accuracy at strong gates. ``T = (I + A)^{-1}`` comes from
 the same levels (one quadrant per level feeds the scores and the inversion), or, where the
@@ -39,7 +39,21 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ._intra_chunk import (
+from ..._backend.execution import cpu_threads, eager_cpu
+from ..._backend.namespace import device
+from ..._backend.ops import (
+    add_matmul,
+    causal_mask,
+    cumulative_sum,
+    dense,
+    keep_lower,
+    l2_normalize,
+    matmul,
+    pad_rows,
+    unit_lower_solver,
+    unstack,
+)
+from ..common.intra_chunk import (
     SCORES,
     SOLVE,
     IntraChunk,
@@ -47,60 +61,8 @@ from ._intra_chunk import (
     scalar_gate_scores,
     segment_decay,
 )
-from ._ops import (
-    causal_mask,
-    dense,
-    l2_normalize,
-    matmul,
-    matmul_add,
-    pad_rows,
-    read_state,
-)
-from ._policy import (
-    add_outer,
-    cpu_threads,
-    cumulative_sum,
-    device,
-    eager_cpu,
-    keep_lower,
-    unit_lower_solver,
-    unstack,
-)
 
-__all__ = ["BLOCK_ROWS", "delta_chunked", "delta_recurrent", "delta_step"]
-
-
-def delta_step(
-    xp: Any, q: Any, k: Any, v: Any, beta: Any, decay: Any | None, S: Any
-) -> tuple[Any, Any]:
-    """One token of the (gated) delta rule: return ``(o_t, S_t)``.
-
-    ``q``, ``k`` are ``(..., d_k)``, ``v`` is ``(..., d_v)``, ``beta`` is ``(..., 1)``, ``decay``
-    (``exp(g_t)``, not its log; ``None`` for no decay) ``(..., 1 or d_k)``, ``S`` is
-    ``(..., d_k, d_v)``.
-    """
-    if decay is not None:
-        S = S * decay[..., None]
-    prediction = read_state(xp, k, S)  # what the state recalls for k_t
-    S = add_outer(xp, S, (k, beta * (v - prediction)))
-    return read_state(xp, q, S), S
-
-
-def delta_recurrent(
-    xp: Any, q: Any, k: Any, v: Any, beta: Any, g: Any | None, S: Any
-) -> tuple[Any, Any]:
-    """The delta rule by T sequential updates from the state ``S``: ``(out, S_T)``."""
-    T = q.shape[-2]
-    if T == 0:
-        return v[..., :0, :], S
-    # One unstack per input (a single op for autograd) rather than a slice per token.
-    qs, ks, vs, bs = (unstack(xp, x, axis=-2) for x in (q, k, v, beta))
-    decays = [None] * T if g is None else unstack(xp, xp.exp(g), axis=-2)
-    outputs = []
-    for t in range(T):
-        o, S = delta_step(xp, qs[t], ks[t], vs[t], bs[t], decays[t], S)
-        outputs.append(o)
-    return xp.stack(outputs, axis=-2), S
+__all__ = ["BLOCK_ROWS", "delta_chunked"]
 
 
 #: Rows (batch x tokens) per block of chunks and per thread (``_policy.cpu_threads``) on eager
@@ -127,8 +89,8 @@ def delta_chunked(
     """The delta rule in chunks of ``chunk_size`` tokens from the state ``S``: ``(out, S_T)``.
 
     The chunk length is rounded up to a power of two (the levels of
-    :func:`polylin._intra_chunk.intra_chunk` halve it); zero padding changes no result. On
-    eager CPU backends the chunks are processed in blocks of about :data:`BLOCK_ROWS` rows per
+    :func:`polylin._forms.common.intra_chunk.intra_chunk` halve it); zero padding changes no result.
+    On eager CPU backends the chunks are processed in blocks of about :data:`BLOCK_ROWS` rows per
     thread; lazy and accelerator backends get one block. Blocks come from one reshape and one
     ``unstack`` per input (autograd sees no per-block slice); each array keeps its own leading
     dimensions (grouped heads broadcast, nothing is copied per group).
@@ -169,8 +131,7 @@ def delta_chunked(
         # writes them anew anyway (normalized, or the queries scaled): one pass, not two.
         rewritten = (qk_l2norm or scale != 1.0, qk_l2norm)
         blocks = [
-            [x if new else dense(xp, x) for x, new in zip(block[:2], rewritten)]
-            + list(block[2:])
+            [x if new else dense(xp, x) for x, new in zip(block[:2], rewritten)] + list(block[2:])
             for block in blocks
         ]
     causal = causal_mask(xp, chunk, chunk, device(k))
@@ -280,4 +241,4 @@ def _block(
         return outputs, S
     starts = xp.stack(states, axis=-3)  # (..., N, d_k, d_v): the state before each chunk
     W = xp.stack(corrections, axis=-3)  # (..., N, C, d_v)
-    return [matmul_add(xp, matmul(xp, queries, starts), scores, W)], S
+    return [add_matmul(xp, matmul(xp, queries, starts), scores, W)], S

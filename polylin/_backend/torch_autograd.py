@@ -9,8 +9,8 @@ holds anyway, and recomputes the exponential in the backward. Same values to the
 ``exp`` of the same ``min(x, 0)``), the same derivative (``exp(min(x, 0))``, 1 at ``x = 0``),
 differentiable twice, with forward-mode and ``vmap`` rules, traceable by ``torch.compile``.
 
-The core reaches it only through :func:`polylin._policy.native_elu_plus_one`, for tensors of an
-already imported torch.
+The core reaches it only through :func:`polylin._backend.ops.native_elu_plus_one`, for
+tensors of an already imported torch.
 """
 
 from __future__ import annotations

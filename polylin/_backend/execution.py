@@ -1,0 +1,255 @@
+"""How a library executes: eager or lazy, traced or compiled, threads, cached constants.
+
+The decisions that depend on how a computation runs (whether it executes eagerly on the CPU,
+whether JAX traces it, whether ``torch.compile`` builds a graph from it, whether a constant it
+made may be cached) are taken here, so that a new backend is taught in one place.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager, nullcontext
+from functools import cache
+from typing import Any
+
+import array_api_compat
+
+from .namespace import (
+    DASK_NAMESPACES,
+    JAX_NAMESPACES,
+    is_tracer,
+    library_name,
+    loaded_torch,
+    torch_module,
+    torch_namespace_of,
+)
+
+__all__ = [
+    "blas_threaded_qr",
+    "cacheable",
+    "check_static",
+    "compiled",
+    "compiling",
+    "cpu_threads",
+    "eager_constants",
+    "eager_cpu",
+    "materialized",
+    "outside_graph",
+    "rows_in_whole_chunks",
+    "scan",
+    "scans_tokens",
+    "splits_chunks_on_concat",
+    "stacked_qr",
+    "with_derivatives_of",
+]
+
+
+def eager_cpu(xp: Any, dev: Any) -> bool:
+    """Whether ``xp`` runs each operation at once on the CPU (where cache blocking pays).
+
+    NumPy, array-api-strict and PyTorch on the CPU do (not under ``torch.compile``); lazy
+    libraries (Dask, JAX under ``jit``) and accelerators (CuPy, PyTorch CUDA) prefer few large
+    operations.
+    """
+    library = library_name(xp)
+    if library in ("numpy", "array_api_strict"):
+        return True
+    if library != "torch" or str(dev) != "cpu":
+        return False
+    # Under torch.compile the whole call becomes one graph that the compiler fuses and
+    # schedules: blocks would only unroll into a graph that grows with T.
+    return not torch_module().compiler.is_compiling()
+
+
+def cpu_threads(xp: Any) -> int:
+    """The threads one operation of ``xp`` runs on, on the CPU: PyTorch's
+    ``torch.get_num_threads()``; 1 for every other library (NumPy's elementwise operations run
+    on one thread, its BLAS threads only the matrix products).
+
+    The blocks of the delta rules' chunked forms on eager CPU backends grow with it: a block's
+    operations are split between the threads, and blocks sized for one thread's cache left two
+    threads waiting on each other at every one of their small operations
+    (``docs/performance.md``, "Blocks and threads")."""
+    if library_name(xp) != "torch":
+        return 1
+    return max(1, int(torch_module().get_num_threads()))
+
+
+def scans_tokens(xp: Any, x: Any) -> bool:
+    """Whether the chunked linear attention runs its forward as a scan over the tokens.
+
+    JAX tracing for the CPU (under ``jax.jit``): XLA compiles a scan's small state update into
+    one tight loop, which measured 1.4-4.2x faster than the chunked form's forward at T = 4096
+    (``docs/performance.md``, "Decay on JAX"), while the chunked form's derivatives stay 3-10x
+    faster than the scan's. The two are combined by :func:`with_derivatives_of`. Eager JAX keeps
+    the chunked form (a scan would be traced anew at every call); so do accelerators.
+    """
+    if library_name(xp) not in JAX_NAMESPACES or sys.modules.get("jax") is None or not is_tracer(x):
+        return False
+    return str(sys.modules["jax"].default_backend()) == "cpu"
+
+
+def scan(step: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any) -> tuple[Any, Any]:
+    """``jax.lax.scan(step, carry, xs)``: ``step`` once per leading index of ``xs``. Only where
+    :func:`scans_tokens` is true (JAX is then imported)."""
+    return sys.modules["jax"].lax.scan(step, carry, xs)
+
+
+def with_derivatives_of(
+    forward: Callable[..., Any], reference: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``forward``'s values with ``reference``'s derivatives (the same function, computed two
+    ways): a ``jax.custom_jvp`` whose tangents are ``reference``'s, so that forward and reverse
+    differentiation (``jax.grad``, ``jax.jvp``) run ``reference``. Only where
+    :func:`scans_tokens` is true."""
+    jax = sys.modules["jax"]
+    combined = jax.custom_jvp(forward)
+
+    @combined.defjvp
+    def _tangents(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+        return forward(*primals), jax.jvp(reference, primals, tangents)[1]
+
+    return combined
+
+
+def compiling(x: Any) -> bool:
+    """Whether ``x`` is a tensor that ``torch.compile`` is tracing into a graph.
+
+    Such code runs once, to build the graph: no locks (Dynamo cannot trace them) and no caching
+    of what it makes (the tensors are placeholders of the graph being built).
+    """
+    torch = loaded_torch()
+    return torch is not None and isinstance(x, torch.Tensor) and torch.compiler.is_compiling()
+
+
+def outside_graph(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` run eagerly when called from code that ``torch.compile`` traces.
+
+    Only call it where :func:`compiling` is true (torch is then imported).
+    """
+    return torch_module().compiler.disable(function)
+
+
+def cacheable(x: Any) -> bool:
+    """Whether a freshly made constant array may be reused by later calls.
+
+    Not a JAX tracer (a constant made inside ``jit`` must not outlive its trace), not a tensor
+    made while ``torch.compile`` traces (a placeholder of the graph being built), and not a
+    PyTorch inference tensor (made under ``torch.inference_mode``, it could not be saved for
+    backward by a later training step).
+    """
+    if torch_namespace_of(x) is not None:
+        return not (compiling(x) or x.is_inference())
+    return not is_tracer(x)
+
+
+def blas_threaded_qr(xp: Any) -> bool:
+    """Whether ``xp.linalg.qr`` is NumPy's: LAPACK on the BLAS's own thread pool.
+
+    NumPy and array-api-strict (which wraps it) factor each small matrix through thousands of
+    BLAS calls, each split over OpenBLAS's (or MKL's) threads: on a machine whose cores are
+    busy, every call waits for threads that are not scheduled, and the 32 QRs of 128 x 128
+    that ``favor_plus(128, 4096)`` needs took 25 s instead of 0.1 s. Their elementwise
+    operations run on one thread, so the caller builds such factors from those instead.
+    """
+    return library_name(xp) in ("numpy", "array_api_strict")
+
+
+def stacked_qr(xp: Any) -> bool:
+    """Whether ``xp.linalg.qr`` (where ``xp`` has it) factors a stack ``(..., M, N)`` at once.
+
+    Dask's ``qr`` takes one two-dimensional matrix, in a single column of chunks.
+    """
+    return library_name(xp) not in DASK_NAMESPACES
+
+
+def eager_constants(xp: Any) -> AbstractContextManager[Any]:
+    """A context in which arrays computed from Python data alone are concrete and cacheable.
+
+    A projection built from a seed depends on no input, so it should be computed once, at
+    once, and kept: under JAX, outside any trace (``jax.ensure_compile_time_eval``: inside
+    ``jit`` it would otherwise be recomputed by every call of the compiled function and could
+    not be cached); under PyTorch, outside ``inference_mode`` (an inference tensor could not be
+    saved for backward by a later training step). The library is already imported whenever its
+    namespace is in use, so it is taken from ``sys.modules``, not imported here.
+    """
+    library = library_name(xp)
+    if library in JAX_NAMESPACES and sys.modules.get("jax") is not None:
+        return sys.modules["jax"].ensure_compile_time_eval()
+    if library == "torch" and loaded_torch() is not None:
+        torch = torch_module()
+        # While torch.compile traces, a constant is part of the graph being built (and
+        # Dynamo cannot enter inference_mode): there is nothing to keep eagerly.
+        return nullcontext() if torch.compiler.is_compiling() else torch.inference_mode(False)
+    return nullcontext()
+
+
+def materialized(x: Any) -> Any:
+    """``x`` computed now where the library is lazy (Dask persists it), else ``x`` itself.
+
+    For a constant that is kept and reused: a lazy array would repeat its whole computation
+    in every result that uses it.
+    """
+    if torch_namespace_of(x) is not None:
+        return x
+    return x.persist() if array_api_compat.is_dask_array(x) else x
+
+
+def splits_chunks_on_concat(x: Any) -> bool:
+    """Whether ``x`` is a Dask array: a concatenation gives it one chunk per piece.
+
+    An array assembled from pieces level by level (the per-channel scores of a chunk) would
+    then end with one chunk, and tasks, per smallest piece; such code places its pieces by
+    selection instead. Elsewhere concatenation is the cheaper way (its backward is a slice).
+    """
+    return torch_namespace_of(x) is None and array_api_compat.is_dask_array(x)
+
+
+def rows_in_whole_chunks(x: Any, rows: int) -> Any:
+    """``x`` with its Dask chunks along axis -2 whole multiples of ``rows``; else ``x`` itself.
+
+    The chunked forms reshape the sequence axis into ``(chunks, rows)``. A Dask chunk boundary
+    inside a chunk of ``rows`` (the zero padding of a short last chunk is concatenated, and
+    makes one) would be carried into every reshape after it, splitting each level of the
+    per-channel scores into ever smaller pieces: thousands of tasks for a few rows.
+    """
+    if torch_namespace_of(x) is not None or not array_api_compat.is_dask_array(x):
+        return x
+    axis = x.ndim - 2
+    sizes = x.chunks[axis]
+    if all(size % rows == 0 for size in sizes):
+        return x
+    return x.rechunk({axis: rows * max(1, -(-max(sizes) // rows))})
+
+
+def compiled(
+    xp: Any, function: Callable[..., Any], /, *, static_argnames: tuple[str, ...]
+) -> Callable[..., Any]:
+    """``function`` compiled as one program where ``xp``'s library compiles, else itself.
+
+    JAX compiles every operation it runs eagerly for each new shape: a build of a few dozen
+    operations costs seconds, one ``jax.jit`` program a fraction of that (and is reused for
+    every call with the same shapes and static arguments). The compiled function is kept, so
+    calls with new seeds reuse the program.
+    """
+    if library_name(xp) in JAX_NAMESPACES and sys.modules.get("jax") is not None:
+        return _jitted(function, static_argnames)
+    return function
+
+
+@cache
+def _jitted(function: Callable[..., Any], static_argnames: Hashable) -> Callable[..., Any]:
+    return sys.modules["jax"].jit(function, static_argnames=static_argnames)
+
+
+def check_static(name: str, value: Any) -> None:
+    """An option that decides the computation's structure (a flag, ``chunk_size``, ``eps``)
+    must be a Python value under ``jax.jit``: a traced one is a ``TypeError`` saying how to keep
+    it static. :func:`check_flag` calls it; a flag taken by truthiness (the fla ops') calls it
+    alone."""
+    if is_tracer(value):
+        raise TypeError(
+            f"{name} must be static under jax.jit, got a traced value: pass it in "
+            f"static_argnames=({name!r},) or bind it with functools.partial"
+        )

@@ -1,0 +1,1 @@
+"""What the chunked forms of every family share."""

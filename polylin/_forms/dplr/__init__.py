@@ -1,0 +1,1 @@
+"""The generalized delta rule (diagonal plus low rank): chunked, recurrent, quadratic."""

@@ -1,0 +1,43 @@
+"""The generalized delta rule (diagonal plus low rank), token by token.
+
+For token t, with ``g_t`` a log decay per key channel (or one per token, or none)::
+
+    S_t = diag(exp(g_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T,   o_t = S_t^T q_t
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..._backend.ops import add_outer, unstack, vector_times_matrix
+
+__all__ = ["dplr_recurrent", "dplr_step"]
+
+
+def dplr_step(
+    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any | None, S: Any
+) -> tuple[Any, Any]:
+    """One token: ``(o_t, S_t)``. ``q, k, a, b`` are ``(..., d_k)``, ``v`` ``(..., d_v)``,
+    ``decay`` (``exp(g_t)``, not its log) ``(..., 1 or d_k)`` or ``None``, ``S`` the state."""
+    read = vector_times_matrix(xp, a, S)  # a_t^T S_{t-1}, before the decay
+    if decay is not None:
+        S = S * decay[..., :, None]
+    S = add_outer(xp, S, (b, read), (k, v))
+    return vector_times_matrix(xp, q, S), S
+
+
+def dplr_recurrent(
+    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, g: Any | None, S: Any
+) -> tuple[Any, Any]:
+    """T sequential updates from the state ``S``: ``(out, S_T)``."""
+    T = q.shape[-2]
+    if T == 0:
+        return v[..., :0, :], S
+    # One unstack per input (a single op for autograd) rather than a slice per token.
+    qs, ks, vs, as_, bs = (unstack(xp, x, axis=-2) for x in (q, k, v, a, b))
+    decays: list[Any] = [None] * T if g is None else list(unstack(xp, xp.exp(g), axis=-2))
+    outputs = []
+    for t in range(T):
+        o, S = dplr_step(xp, qs[t], ks[t], vs[t], as_[t], bs[t], decays[t], S)
+        outputs.append(o)
+    return xp.stack(outputs, axis=-2), S

@@ -1,0 +1,1 @@
+"""Linear attention, with or without a decay: chunked, recurrent and quadratic forms."""
