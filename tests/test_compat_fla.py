@@ -377,14 +377,14 @@ def test_one_token_calls_decode_as_the_sequence(backend, family, G, v_first):
 def test_one_token_calls_are_checked_once_per_signature(monkeypatch):
     """The first call of a signature runs the checked op; the same signature again does not;
     any other signature is checked again, with fla's errors."""
-    import polylin.compat.fla as compat
+    from polylin.compat.fla import _families
 
     x = make_inputs("gated_delta_rule", np.random.default_rng(3), 1, 3, 2, 2, 4, 3)
     token = {n: a[:, :1] for n, a in x.items()}
     checked = []
-    full = compat.delta_rule_attention
+    full = _families.delta_rule_attention
     monkeypatch.setattr(
-        compat, "delta_rule_attention", lambda *a, **kw: checked.append(1) or full(*a, **kw)
+        _families, "delta_rule_attention", lambda *a, **kw: checked.append(1) or full(*a, **kw)
     )
     first = call("gated_delta_rule", "fused_recurrent", token, scale=0.9)
     again = call("gated_delta_rule", "fused_recurrent", token, scale=0.9)

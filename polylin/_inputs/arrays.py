@@ -112,6 +112,7 @@ def work_dtype_for(xp: Any, dtype: Any) -> Any:
 
 
 def check_floating(xp: Any, name: str, x: Any) -> None:
+    """A ``TypeError`` naming ``x`` as ``name`` unless its dtype is a real floating one."""
     if not xp.isdtype(x.dtype, "real floating"):
         raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
 

@@ -131,6 +131,18 @@ class PreparedStep:
         self._key: Hashable = None
         self._plan: Any = None
 
+    @staticmethod
+    def signature(args: tuple) -> Hashable:
+        """What a step's checks read from the arguments ``args``: the signature of a call.
+
+        Each array's type, shape, dtype and device, each number's value, which arguments are
+        ``None``; ``None`` where one argument's signature cannot be had (a traced array, an
+        object polylin does not know). Two calls of the same (not ``None``) signature pass or
+        fail the same checks, so a caller that keeps its own per-call work (a translation of
+        another library's layout) can key it on this.
+        """
+        return call_signature(args)
+
     def __repr__(self) -> str:
         return f"<prepared {self._name}({', '.join(self._names)})>"
 

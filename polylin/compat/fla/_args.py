@@ -15,8 +15,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .._backend.namespace import array_namespace, is_array
-from .._inputs.arrays import check_floating, is_real_number, work_dtype_for
+from ...interop import array_namespace, check_floating, is_array, is_real_number, work_dtype_for
 
 __all__ = [
     "FlaHeads",

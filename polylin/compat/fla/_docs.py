@@ -95,8 +95,8 @@ SUMMARY = "Compute fla's ``{name}`` on ``(B, T, H, d)`` inputs"
 
 
 def fla_doc(function: F) -> F:
-    """Expand the ``    <name>`` lines of ``function``'s docstring from :data:`SHARED`, and
-    state the layout in its first line (:data:`SUMMARY`)."""
+    """Expand the ``    <name>`` lines of ``function``'s docstring from :data:`SHARED`, state
+    the layout in its first line (:data:`SUMMARY`), and name the module users import it from."""
 
     def expand(match: re.Match[str]) -> str:
         return "    " + SHARED[match.group(1)]
@@ -108,4 +108,5 @@ def fla_doc(function: F) -> F:
             raise ValueError(f"{function.__name__}'s docstring must start with {written!r}")
         doc = SUMMARY.format(name=function.__name__) + doc[len(written) :]
         function.__doc__ = re.sub(r"^    <(\w+)>$", expand, doc, flags=re.MULTILINE)
+    function.__module__ = "polylin.compat.fla"
     return function
