@@ -3,12 +3,12 @@
 #   1. records the machine (nvidia-smi, versions, TF32-related settings)          -> env.txt
 #   2. installs what the machine lacks from carried wheels in .whl/, offline, into a
 #      --target folder, and makes polylin importable from the working tree
-#   3. runs the device correctness tests on torch:cuda and CuPy                    -> tests.log
-#   4. runs the whole test suite on torch:cuda and CuPy                            -> tests.log (appended), tests-junit.xml
+#   3. runs the device correctness tests on torch:cuda, CuPy and jax:cuda          -> tests.log
+#   4. runs the test suite once per GPU backend (its tests)                        -> tests.log (appended), tests-junit-*.xml
 #   5. runs the GPU benchmark of plain linear attention                            -> bench.log, bench-gpu.json, bench-gpu.png
 #   6. runs the GPU benchmark of the recurrence family against fla's kernels       -> bench.log (appended), bench-family.json
 #   7. prints a short summary                                                      -> summary.txt
-# Everything goes to $OUT (default ./gpu-check-out), at most 8 files. Each step has a timeout,
+# Everything goes to $OUT (default ./gpu-check-out), at most 10 files. Each step has a timeout,
 # a share of GPU_CHECK_TOTAL_S (default 470 s, inside the 8 minutes asked for; install 10%,
 # device tests 20%, suite 35%, the plain benchmark 12%, the family benchmark what is left), so
 # the script always ends and always leaves its logs. Exit status: 0 when every step passed.
@@ -47,7 +47,7 @@ if [ "$MODE" = cpu ]; then
                  --decode-batches 1 --decode-tokens 4)
     SUITE=(tests/test_gpu_device.py tests/test_benchmarks_gpu.py tests/test_gpu_family_benchmark.py)
 else
-    BACKENDS=${GPU_CHECK_BACKENDS:-torch:cuda,cupy}   # the issue's two; add jax:cuda if wanted
+    BACKENDS=${GPU_CHECK_BACKENDS:-torch:cuda,cupy,jax:cuda}
     BENCH_ARGS=(--device cuda)
     # torch.compile of the one op Qwen3-Next runs (compiling all five would take the budget).
     FAMILY_ARGS=(--device cuda --compile-ops chunk_gated_delta_rule)
@@ -124,12 +124,33 @@ POLYLIN_BACKENDS=$BACKENDS timeout -k 10 "$(budget 20 60)" "${PYTEST[@]}" \
 record device-tests $?
 
 # ---- 4. the test suite ----------------------------------------------------------------------
-# Not -x: one GPU run should report every failure it can, so stop only after many.
+# Not -x: one GPU run should report every failure it can, so stop only after many. One run per
+# backend, each with its share of the step's time, so that each leaves its own result line
+# even when a later one runs out of time; on the GPU only the tests of that backend are
+# selected (their ids name it), in parallel where pytest-xdist is there (a carried wheel).
 say "test suite (POLYLIN_BACKENDS=$BACKENDS)"
 echo "==== the test suite ====" >>"$OUT/tests.log"
-POLYLIN_BACKENDS=$BACKENDS timeout -k 10 "$(budget 35 30)" "${PYTEST[@]}" --maxfail=25 \
-    --junitxml="$OUT/tests-junit.xml" "${SUITE[@]}" >>"$OUT/tests.log" 2>&1
-record test-suite $?
+XDIST=()
+if [ "$MODE" = gpu ] && "$PY" -c "import xdist" 2>/dev/null; then
+    XDIST=(-n "${GPU_CHECK_WORKERS:-6}")
+fi
+IFS=, read -r -a SUITE_BACKENDS <<<"$BACKENDS"
+suite_rc=0
+suite_total=$(budget 35 30)
+for i in "${!SUITE_BACKENDS[@]}"; do
+    b=${SUITE_BACKENDS[$i]}
+    share=$(( (suite_total - (${SECONDS_USED:-0})) / (${#SUITE_BACKENDS[@]} - i) ))
+    [ "$share" -gt 5 ] || share=5
+    start=$(date +%s)
+    SELECT=()
+    [ "$MODE" = gpu ] && SELECT=(-m "not slow" -k "$b")
+    echo "==== backend $b ($share s) ====" >>"$OUT/tests.log"
+    POLYLIN_BACKENDS=$b timeout -k 10 "$share" "${PYTEST[@]}" "${XDIST[@]}" --maxfail=25 \
+        "${SELECT[@]}" --junitxml="$OUT/tests-junit-${b//:/-}.xml" "${SUITE[@]}" \
+        >>"$OUT/tests.log" 2>&1 || suite_rc=$?
+    SECONDS_USED=$(( ${SECONDS_USED:-0} + $(date +%s) - start ))
+done
+record test-suite $suite_rc
 
 # ---- 5. the benchmark -----------------------------------------------------------------------
 # The rest of the time, less the summary's. The benchmark stops starting measurements at its
@@ -157,11 +178,13 @@ record family-benchmark $?
     echo "polylin GPU check ($MODE) in $(elapsed) s; output in $OUT"
     for s in "${STEPS[@]}"; do echo "  $s: exit ${RC[$s]}"; done
     # tests.log: the device tests, then (after its header) the suite; one result line each.
-    for part in "device tests:|device-tests|1" "test suite:  |test-suite|2"; do
-        IFS="|" read -r label step n <<<"$part"
-        line=$(awk -v n="$n" '/^==== the test suite ====$/ {p = 2; next} {if ((p ? p : 1) == n) print}' \
+    line=$(awk '/^==== the test suite ====$/ {exit} {print}' "$OUT/tests.log" \
+        | grep -E '[0-9]+ (passed|failed|errors?|skipped)' | tail -1)
+    echo "device tests: ${line:-no pytest result line (exit ${RC[device-tests]}; 124 = timed out)}"
+    for b in "${SUITE_BACKENDS[@]}"; do
+        line=$(awk -v h="==== backend $b " 'index($0, "==== backend ") == 1 {p = index($0, h) == 1; next} p' \
             "$OUT/tests.log" | grep -E '[0-9]+ (passed|failed|errors?|skipped)' | tail -1)
-        echo "$label ${line:-no pytest result line (exit ${RC[$step]}; 124 = timed out)}"
+        echo "suite on $b: ${line:-no pytest result line (124 = timed out)}"
     done
     grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -40
     if [ -s "$OUT/bench-gpu.json" ]; then

@@ -48,7 +48,8 @@ if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and 
 
 from benchmarks.baselines import fla_naive  # noqa: E402
 from benchmarks.timing import goal, interleaved_times, run_metadata, write_report  # noqa: E402
-from polylin import _chunked, causal_linear_attention  # noqa: E402
+from polylin import causal_linear_attention  # noqa: E402
+from polylin._forms.linear import chunked as _chunked  # noqa: E402
 from polylin.feature_maps import identity  # noqa: E402
 
 #: polylin 0.1.0, the release the undecayed forward must not regress from.

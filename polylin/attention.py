@@ -272,9 +272,9 @@ def _scanned_chunked(
     eps: float,
     normalize: bool,
 ) -> tuple[Array, Array, Array]:
-    """The chunked form where the policy scans its forward (``_policy.scans_tokens``): the
-    values of the scan over tokens, the derivatives of the chunked form (``fq``, ``fk``
-    mapped and masked already)."""
+    """The chunked form where the backend scans its forward
+    (``_backend.execution.scans_tokens``): the values of the scan over tokens, the derivatives
+    of the chunked form (``fq``, ``fk`` mapped and masked already)."""
 
     def scanned(fq: Array, fk: Array, v: Array, S: Array, z: Array, g: Array | None) -> Any:
         return causal_recurrent(

@@ -336,7 +336,8 @@ def _plan_step(
     scale: Any,
     qk_l2norm: Any,
 ) -> tuple[StepPlan, None]:
-    """Check every argument of :func:`delta_rule_step` (the ``plan`` of ``_prepared``)."""
+    """Check every argument of :func:`delta_rule_step` (the ``plan`` of its
+    :class:`~polylin.PreparedStep`)."""
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
     beta = check_coefficient(inputs, beta_t, (*batch, 1), name="beta_t", bounds=_BETA_BOUNDS)

@@ -390,7 +390,7 @@ def _gram_schmidt(xp: Any, gaussian: Any) -> Any:
     ``(32, 128, 128)`` Gaussian blocks), orthonormal to round-off. Products and sums only, no
     matrix product: NumPy runs those on one thread, where its ``linalg.qr`` (and any matrix
     product of this size) waits for BLAS threads, seconds per block on busy cores (see
-    :func:`polylin._policy.blas_threaded_qr`). Also the path of namespaces without ``linalg``
+    ``polylin._backend.execution.blas_threaded_qr``). Also the path of namespaces without ``linalg``
     (an optional extension of the standard). Columns are handled as rows (contiguous sums).
     """
     rows = xp.permute_dims(gaussian, (0, 2, 1))  # (blocks, n, n): row j is column j

@@ -301,7 +301,7 @@ def test_inductor_compiles_and_matches_eager(torch) -> None:
 @pytest.mark.slow_grid
 @pytest.mark.parametrize("include_initial", [False, True])
 def test_traceable_cumulative_sum_is_the_standard_one(backend, include_initial: bool) -> None:
-    """``_policy.cumulative_sum`` (torch.cumsum on PyTorch) equals ``xp.cumulative_sum``."""
+    """``_backend.ops.cumulative_sum`` (torch.cumsum on PyTorch) equals ``xp.cumulative_sum``."""
     from polylin._backend.ops import cumulative_sum
 
     x = backend.from_numpy(np.arange(24.0).reshape(2, 3, 4))

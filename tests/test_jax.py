@@ -300,8 +300,9 @@ def test_eager_state_mask_and_step(jb, dtype, rng):
 
 def test_jitted_chunked_forward_is_a_scan_on_the_cpu(jb, jax, rng):
     """Under ``jit`` on the CPU the chunked form's forward is one scan over the tokens, with the
-    chunked form's derivatives (``_policy.scans_tokens``); eager calls keep the chunked form."""
-    from polylin import _policy
+    chunked form's derivatives (``_backend.execution.scans_tokens``); eager calls keep the
+    chunked form."""
+    from polylin._backend import execution
 
     xs = [jb.from_numpy(a) for a in _qkv(rng, lead=(2,))]
     g = jb.from_numpy(-rng.uniform(0.0, 0.5, (2, T, D_K)))
@@ -309,8 +310,8 @@ def test_jitted_chunked_forward_is_a_scan_on_the_cpu(jb, jax, rng):
     program = str(jax.make_jaxpr(lambda *a: attend(*a[:3], log_decay=a[3]))(*xs, g))
     on_cpu = jax.default_backend() == "cpu"
     assert ("scan" in program and "custom_jvp_call" in program) == on_cpu
-    assert not _policy.scans_tokens(jax.numpy, xs[0])  # a concrete array: eager
-    assert not _policy.scans_tokens(np, np.zeros(1))
+    assert not execution.scans_tokens(jax.numpy, xs[0])  # a concrete array: eager
+    assert not execution.scans_tokens(np, np.zeros(1))
 
 
 @pytest.mark.parametrize("gate", ["none", "scalar", "channel"])

@@ -180,7 +180,7 @@ def log_decay_values(inputs: AttentionInputs, log_decay: Any, *, explicit: int) 
 def pack_log_decay(xp: Any, decay: Any | None, pack: Any, rank: int) -> Any | None:
     """``decay`` for packed sequences: ``pack`` it if it varies along T, else add the new axis.
 
-    ``pack`` maps ``(..., T, w)`` to ``(..., N, max_len, w)`` (see ``_varlen.pack``); the
+    ``pack`` maps ``(..., T, w)`` to ``(..., N, max_len, w)`` (see ``_inputs.varlen.pack``); the
     result has ``rank`` dimensions (those of the packed inputs): the packed call checks it
     again, and a gate with fewer would have to say again which axis is its channel axis,
     against sizes the caller never gave.

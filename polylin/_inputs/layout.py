@@ -25,7 +25,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, NamedTuple
 
-from .._backend.namespace import is_array, is_tracer
+from .._backend.execution import check_static
+from .._backend.namespace import is_array
 from .arrays import is_real_number, namespace_of
 
 __all__ = ["DEFAULT_SEQ_AXIS", "SequenceLayout", "standard_layout"]
@@ -43,11 +44,7 @@ class SequenceLayout(NamedTuple):
     @classmethod
     def of(cls, seq_axis: Any, q: Any, *, name: str = "q") -> SequenceLayout:
         """Validate ``seq_axis`` against ``q`` (the first sequence argument, called ``name``)."""
-        if is_tracer(seq_axis):
-            raise TypeError(
-                "seq_axis must be static under jax.jit: pass it in static_argnames or bind it "
-                "with functools.partial"
-            )
+        check_static("seq_axis", seq_axis)
         if isinstance(seq_axis, bool) or not isinstance(seq_axis, numbers.Integral):
             raise TypeError(f"seq_axis must be an int, got {type(seq_axis).__name__}")
         ndim = getattr(q, "ndim", None)

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from itertools import pairwise
 from typing import Any, NamedTuple
 
-from .._backend.namespace import is_array, is_tracer
+from .._backend.execution import check_static
+from .._backend.namespace import is_array
 from .._backend.ops import nonpositive
 from .gates import check_log_decay, log_decay_values
 from .layout import SequenceLayout
@@ -45,11 +46,7 @@ Algorithm = Callable[[list[Any], Any], tuple[Any, Any]]
 
 def check_scale(scale: Any) -> float:
     """The output scale: a finite real number, static under ``jax.jit``; as a Python float."""
-    if is_tracer(scale):
-        raise TypeError(
-            "scale must be static under jax.jit: pass it in static_argnames or bind it with "
-            "functools.partial"
-        )
+    check_static("scale", scale)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
     if not math.isfinite(float(scale)):
@@ -91,7 +88,8 @@ def _explicit_channels(inputs: AttentionInputs, g: Any, shape: tuple) -> Any:
 
 class StepPlan(NamedTuple):
     """What the checks of a matrix-state decoding step found, for one signature of its
-    arguments (see ``_prepared``): the per-call arguments that are numbers are converted once."""
+    arguments (see ``_inputs.steps``): the per-call arguments that are numbers are converted
+    once."""
 
     inputs: AttentionInputs
     scale: float

@@ -21,7 +21,7 @@ built by :func:`polylin._forms.common.intra_chunk.intra_chunk` from products of 
 ``exp(g_t) <= 1`` (a scalar gate's ``P`` from segment sums of the gate), so a ``-inf`` gate is
 an exact reset and float32 keeps its accuracy at strong gates. ``T = (I + A)^{-1}`` comes from
 the same levels (one quadrant per level feeds the scores and the inversion), or, where the
-library solves triangular systems (``_policy.unit_lower_solver``) and the gate is a scalar or
+library solves triangular systems (``_backend.ops.unit_lower_solver``) and the gate is a scalar or
 absent, from one batched solve of ``A``, itself one matmul times the segment decay of the
 scores (:func:`_factored`). The sequential
 loop over chunks computes ``W = T (diag(beta) V - diag(beta) (K * exp(b)) S)``, ``T`` applied
@@ -65,11 +65,11 @@ from ..common.intra_chunk import (
 __all__ = ["BLOCK_ROWS", "delta_chunked"]
 
 
-#: Rows (batch x tokens) per block of chunks and per thread (``_policy.cpu_threads``) on eager
-#: CPU backends: the chunks' C x C intermediates (scores, triangular inverse, decays) of one
+#: Rows (batch x tokens) per block of chunks and per thread (``_backend.execution.cpu_threads``) on
+#: eager CPU backends: the chunks' C x C intermediates (scores, triangular inverse, decays) of one
 #: block stay in cache instead of being allocated at the size of the whole sequence, and each
-#: thread gets a share of every operation large enough to pay for the split. Measured on
-#: PyTorch CPU by ``benchmarks/blocks.py``: see ``docs/performance.md``, "Blocks and threads".
+#: thread gets a share of every operation large enough to pay for the split. Measured on PyTorch
+#: CPU by ``benchmarks/blocks.py``: see ``docs/performance.md``, "Blocks and threads".
 BLOCK_ROWS = 4096
 
 

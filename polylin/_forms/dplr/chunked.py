@@ -39,11 +39,10 @@ from ..common.intra_chunk import READ_SCORES, READ_SOLVE, SCORES, intra_chunk
 __all__ = ["BLOCK_ROWS", "dplr_chunked"]
 
 
-#: Rows (batch x tokens) per block of chunks and per thread (``_policy.cpu_threads``) on eager
-#: CPU backends: the chunks' C x C intermediates of one block (the four matrices, the inverse,
-#: each level's blocks) stay in cache instead of being allocated at the size of the whole
-#: sequence (as the delta rule's chunked form does; ``docs/performance.md``, "Blocks and
-#: threads").
+#: Rows (batch x tokens) per block of chunks and per thread (``_backend.execution.cpu_threads``) on
+#: eager CPU backends: the chunks' C x C intermediates of one block (the four matrices, the
+#: inverse, each level's blocks) stay in cache instead of being allocated at the size of the whole
+#: sequence (as the delta rule's chunked form does; ``docs/performance.md``, "Blocks and threads").
 BLOCK_ROWS = 4096
 
 

@@ -144,7 +144,7 @@ def causal_chunked(
     pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))
     for q_b, k_b, v_b, mask_b, decay_b in zip(*pieces):
         fq, fk = features(q_b, k_b, mask_b)
-        if block < T:  # a strided block: copied once here, not by every matmul (_ops.dense)
+        if block < T:  # a strided block: copied once here, not by every matmul (_backend.ops.dense)
             fq, fk, v_b = (dense(xp, x) for x in (fq, fk, v_b))
         out, S, z = _block(
             xp, fq, fk, v_b, decay_b, S, z, causal, eps=eps, normalize=normalize, chained=eager

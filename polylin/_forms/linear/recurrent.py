@@ -67,8 +67,9 @@ def causal_recurrent(
     The tokens are taken apart by one ``unstack`` per input (not a slice per token, whose
     backward would be quadratic in T) and the outputs joined by one ``stack``. The leading
     dimensions of the inputs broadcast (grouped heads); the state has the broadcast ones.
-    ``scanned``: the same :func:`recurrent_step` per token as one scan (``_policy.scan``, where
-    ``_policy.scans_tokens``), compiled once instead of unrolled T times.
+    ``scanned``: the same :func:`recurrent_step` per token as one scan
+    (``_backend.execution.scan``, where ``_backend.execution.scans_tokens``), compiled once
+    instead of unrolled T times.
     """
     T = fq.shape[-2]
     if T == 0:  # the broadcast leading dimensions (grouped heads) are the state's
