@@ -1,8 +1,8 @@
 """Test configuration: library settings, and one ``backend`` fixture over every driver.
 
 Settings are made here, explicitly, never by the drivers: JAX runs with ``jax_enable_x64`` on
-(and XLA's optimizations off: the arrays are tiny), array-api-strict with
-:data:`polylin.testing.STRICT_FLAGS`.
+(XLA's optimizations off: the arrays are tiny; float32 matmuls at full precision, not TF32),
+array-api-strict with :data:`polylin.testing.STRICT_FLAGS`.
 
 ``backend`` is generated for every selected driver (``POLYLIN_BACKENDS=numpy,torch`` narrows
 the set; unusable ones skip with the reason), plus ``jax:x32`` (JAX with x64 off, as users run
@@ -157,6 +157,9 @@ def pytest_configure(config: pytest.Config) -> None:
             # The tests' arrays are tiny: compiling dominates, and XLA's optimizations would
             # cost more than they save (about 15% of the JAX tests' time).
             jax.config.update("jax_disable_most_optimizations", True)
+            # float32 matmuls at full precision, as torch is pinned below: on a GPU, JAX's
+            # default runs them in TF32 (docs/gpu.md); polylin itself never changes it.
+            jax.config.update("jax_default_matmul_precision", "highest")
     if Backend.ARRAY_API_STRICT in BACKENDS:
         with contextlib.suppress(ImportError):
             import array_api_strict

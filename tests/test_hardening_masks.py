@@ -235,7 +235,8 @@ print("OK")
 
 
 def _run(script: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *env.values()])}
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *env.values(), *inherited])}
     return subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=environ,
         timeout=300,

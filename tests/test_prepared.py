@@ -8,6 +8,7 @@ import pytest
 import polylin
 from polylin import (
     LinearAttentionState,
+    PreparedStep,
     delta_rule_step,
     dplr_delta_rule_step,
     prepare_delta_rule_step,
@@ -332,3 +333,30 @@ def test_call_arguments_as_the_plain_step(rng):
     assert "dplr_delta_rule_step(q_t, k_t, v_t, a_t, b_t, state, log_decay)" in repr(
         prepare_dplr_step()
     )
+
+
+def test_a_signature_hashes_whatever_the_device_type():
+    """CuPy's ``Device`` does not hash: a signature (a key of ``polylin.compat.fla``'s decoding
+    plans) still does, and tells devices apart by their ``repr``."""
+
+    class Device:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Device) and other.n == self.n
+
+        def __repr__(self) -> str:
+            return f"<Device {self.n}>"
+
+    class Array:
+        shape, dtype = (2, 3), "float32"
+
+        def __init__(self, n: int) -> None:
+            self.device = Device(n)
+
+    first, again, other = (PreparedStep.signature((Array(n), 0.5)) for n in (0, 0, 1))
+    assert hash(first) == hash(again) and first == again and first != other
+    assert {first: 1}[again] == 1

@@ -36,7 +36,7 @@ def _signature(x: Any) -> Hashable:
     if kind is None:
         kind = _KINDS.setdefault(type(x), _kind(x))
     if kind == "array":
-        return (type(x), x.shape, x.dtype, getattr(x, "device", None))
+        return (type(x), x.shape, x.dtype, _hashable(getattr(x, "device", None)))
     if kind == "number":  # Python and NumPy scalars: the checks read their value
         return (type(x), float(x))
     if kind == "value":
@@ -45,6 +45,15 @@ def _signature(x: Any) -> Hashable:
         parts = tuple(_signature(part) for part in x)
         return None if None in parts else (type(x), parts)
     return None
+
+
+def _hashable(device: Any) -> Hashable:
+    """A device as a key: itself, or its type and ``repr`` where it does not hash (CuPy's)."""
+    try:
+        hash(device)
+    except TypeError:
+        return (type(device), repr(device))
+    return device
 
 
 def _kind(x: Any) -> str:
