@@ -6,9 +6,9 @@ the GPU machine) and skip elsewhere with the reason.
 - **Placement**: every entry point returns arrays of the input's library on the input's device.
 - **No host round trips**: PyTorch runs each call under ``torch.cuda.set_sync_debug_mode("error")``,
   which raises on any synchronizing CUDA call (``.item()``, a device-to-host copy, a blocking
-  host-to-device copy); CuPy runs each call inside CUDA stream capture, where a synchronous
-  transfer or a stream synchronization is an error, and then replays the captured graph. Each
-  detector is shown to fire on a deliberate synchronization, so a pass means something.
+  host-to-device copy); CuPy runs each call under ``cupyx.allow_synchronize(False)``, where
+  any operation that waits for the device is an error (CUDA stream capture cannot serve: CuPy
+  refuses cuBLAS calls during capture). Each detector is shown to fire on a deliberate synchronization, so a pass means something.
 - **TF32**: polylin never changes ``torch``'s float32 matmul precision; the test session pins it
   to ``"highest"`` (``tests/conftest.py``), and one test shows what TF32 does to the results.
 """
@@ -172,38 +172,31 @@ def test_torch_cuda_backward_never_synchronizes(torch_cuda, rng):
 # --- no host synchronization: CuPy ------------------------------------------------------------
 
 
-def _captured(cp, fn):
-    """Run ``fn`` inside CUDA stream capture and replay the graph; return ``(out, error)``.
+def _unsynchronized(cp, fn):
+    """Run ``fn`` with CuPy's synchronization guard on; return ``(out, error)``.
 
-    During capture a synchronous device-host transfer or a stream synchronization fails, so an
-    error here is a host round trip inside ``fn``.
+    Under ``cupyx.allow_synchronize(False)`` every operation that waits for the device (a
+    device-host copy, ``float`` or ``bool`` of an array, a stream synchronization) raises, so an
+    error here is a host round trip inside ``fn``. (CUDA stream capture would also catch them,
+    but CuPy refuses cuBLAS calls during capture, so it cannot check a call with a matmul.)
     """
-    stream = cp.cuda.Stream(non_blocking=True)
-    out, error = None, None
-    with stream:
-        fn()  # warm-up on this stream: compiled kernels, memory pool blocks, cuBLAS handle
-        stream.synchronize()
-        stream.begin_capture()
-        try:
+    import cupyx
+
+    fn()  # warm-up: compiled kernels, memory pool blocks, cuBLAS handle
+    cp.cuda.Device().synchronize()
+    try:
+        with cupyx.allow_synchronize(False):
             out = fn()
-        except Exception as exc:
-            error = exc
-        finally:
-            try:
-                graph = stream.end_capture()
-            except Exception as exc:  # the capture was invalidated by the failed call
-                graph, error = None, error or exc
-    if error is None:
-        graph.launch(stream)
-        stream.synchronize()
-    return out, error
+    except Exception as exc:
+        return None, exc
+    return out, None
 
 
 @pytest.mark.only_backend(Backend.CUPY)
 def test_cupy_sync_detector_fires(cupy_gpu):
     cp = cupy_gpu.module()
     x = cp.ones(8, dtype=cp.float32)
-    _, error = _captured(cp, lambda: float(x.sum()))
+    _, error = _unsynchronized(cp, lambda: float(x.sum()))
     assert error is not None
 
 
@@ -215,10 +208,10 @@ def test_cupy_call_never_synchronizes(cupy_gpu, call, rng):
     fn = _calls(cupy_gpu, xs, mask)[call]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result, error = _captured(cp, fn)
-    assert error is None, f"{call} synchronized with the host during capture: {error!r}"
+        result, error = _unsynchronized(cp, fn)
+    assert error is None, f"{call} synchronized with the host: {error!r}"
     expected = fn()
-    for got, want in zip(_arrays(result), _arrays(expected)):  # the replayed graph's output
+    for got, want in zip(_arrays(result), _arrays(expected)):
         np.testing.assert_allclose(cp.asnumpy(got), cp.asnumpy(want), rtol=0,
                                    atol=ATOL["float32"], err_msg=call)
 
