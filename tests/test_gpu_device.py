@@ -185,8 +185,10 @@ def _unsynchronized(cp, fn):
     fn()  # warm-up: compiled kernels, memory pool blocks, cuBLAS handle
     cp.cuda.Device().synchronize()
     try:
-        with cupyx.allow_synchronize(False):
-            out = fn()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "cupyx.allow_synchronize", UserWarning)
+            with cupyx.allow_synchronize(False):
+                out = fn()
     except Exception as exc:
         return None, exc
     return out, None
