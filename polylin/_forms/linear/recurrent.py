@@ -1,4 +1,4 @@
-"""The recurrent form: one rank-1 state update per token (the design note's loop).
+"""The recurrent form: one rank-1 state update per token (the textbook loop).
 
 With a log decay ``g_t`` the state decays before token t is added (token t is never decayed at
 its own step)::
