@@ -8,7 +8,8 @@ the GPU machine) and skip elsewhere with the reason.
   which raises on any synchronizing CUDA call (``.item()``, a device-to-host copy, a blocking
   host-to-device copy); CuPy runs each call under ``cupyx.allow_synchronize(False)``, where
   any operation that waits for the device is an error (CUDA stream capture cannot serve: CuPy
-  refuses cuBLAS calls during capture). Each detector is shown to fire on a deliberate synchronization, so a pass means something.
+  refuses cuBLAS calls during capture). Each detector is shown to fire on a deliberate
+  synchronization, so a pass means something.
 - **TF32**: polylin never changes ``torch``'s float32 matmul precision; the test session pins it
   to ``"highest"`` (``tests/conftest.py``), and one test shows what TF32 does to the results.
 """
