@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import pairwise
+from functools import partial
 from typing import Any
 
 from ._backend.execution import scans_tokens, with_derivatives_of
@@ -12,12 +12,12 @@ from ._forms.linear.chunked import causal_chunked
 from ._forms.linear.quadratic import quadratic
 from ._forms.linear.recurrent import causal_recurrent
 from ._inputs.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
-from ._inputs.gates import check_log_decay, check_normalize, pack_log_decay, standard_log_decay
+from ._inputs.gates import check_log_decay, check_normalize, standard_log_decay
 from ._inputs.layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._inputs.prepare import apply_feature_map, finish, select
+from ._inputs.sequences import run_sequences
 from ._inputs.state import LinearAttentionState
 from ._inputs.validation import (
-    check_cu_seqlens,
     check_flag,
     check_mask,
     check_method,
@@ -25,7 +25,6 @@ from ._inputs.validation import (
     check_qkv,
     check_state,
 )
-from ._inputs.varlen import length_mask, pack, unpack
 from ._typing import Array
 
 __all__ = [
@@ -181,82 +180,58 @@ def causal_linear_attention(
     check_method(method, METHODS)
     check_normalize(normalize)
     check_flag("return_state", return_state)
-    xp = inputs.xp
-    T = q.shape[-2]
-    if cu_seqlens is not None:
-        if attention_mask is not None:
-            raise ValueError("pass attention_mask or cu_seqlens, not both")
-        offsets = check_cu_seqlens(cu_seqlens, T)
-        max_len = max(b - a for a, b in pairwise(offsets))
-        lengths = length_mask(xp, offsets, max_len, inputs.device)
-        decay = check_log_decay(inputs, log_decay, length=T, d_phi=None, layout=layout)
-        packed_q, packed_k, packed_v = (pack(xp, x, offsets, max_len) for x in (q, k, v))
-        out, state = causal_linear_attention(
-            packed_q,
-            packed_k,
-            packed_v,
-            feature_map,
-            method=method,
-            chunk_size=chunk_size,
-            eps=eps,
-            initial_state=initial_state,
-            return_state=True,
-            # full rank: with head axes a 2-D mask would mean (batch, T)
-            attention_mask=xp.reshape(lengths, (*[1] * len(inputs.batch_shape), *lengths.shape)),
-            log_decay=pack_log_decay(
-                xp, decay, lambda x: pack(xp, x, offsets, max_len), len(inputs.batch_shape) + 3
-            ),
-            normalize=normalize,
-        )
-        out = layout.restore(unpack(xp, out, offsets))
-        return (out, state) if return_state else out
-
-    mask = None if attention_mask is None else check_mask(inputs, attention_mask, T, layout)
-    # Padding may hold anything (uninitialized memory): select it away before any arithmetic.
-    q, k, v = (select(xp, mask, x) for x in (q, k, v))
-    v = inputs.to_work_dtype(v)
-
+    xp, T = inputs.xp, q.shape[-2]
     shapes = (layout.caller_shape(tuple(q.shape)), layout.caller_shape(tuple(k.shape)))
 
-    def features(q: Array, k: Array, mask: Array | None) -> tuple[Array, Array]:
+    def features(q: Array, k: Array, keep: Array | None) -> tuple[Array, Array]:
         # A feature map acts on each token alone, so the chunked form maps block by block.
         fq, fk = apply_feature_map(inputs, feature_map, q, k, shapes=shapes)
         # phi(0) is not 0: masked keys are selected away again after the map.
-        return fq, select(xp, mask, fk)
+        return fq, select(xp, keep, fk)
 
-    # The chunked form maps its own blocks: there a one-token probe gives the feature size.
-    if method == "chunked":
-        fq, fk = features(q[..., : min(T, 1), :], k[..., : min(T, 1), :], None)
-    else:
-        fq, fk = features(q, k, mask)
-    S, z = check_state(
-        inputs, initial_state, inputs.batch_shape, fq.shape[-1], v.shape[-1], name="initial_state"
+    # The feature size, from one token (the chunked form maps its own blocks).
+    d_phi = features(q[..., : min(T, 1), :], k[..., : min(T, 1), :], None)[0].shape[-1]
+    d_v = v.shape[-1]
+    decay = check_log_decay(inputs, log_decay, length=T, d_phi=d_phi, layout=layout)
+    arrays = [q, k, inputs.to_work_dtype(v)] + ([] if decay is None else [decay])
+
+    def algorithm(arrays: list[Array], state: Any, keep: Array | None) -> tuple[Array, Any]:
+        q, k, v, *rest = arrays
+        g = rest[0] if rest else None
+        S, z = state
+        if method == "chunked" and scans_tokens(xp, v):
+            out, S, z = _scanned_chunked(
+                xp, *features(q, k, keep), v, S, z, g, chunk_size=chunk_size, eps=eps,
+                normalize=normalize,
+            )  # fmt: skip
+        elif method == "chunked":
+            out, S, z = causal_chunked(
+                xp, features, q, k, v, S, z, mask=keep, chunk_size=chunk_size, eps=eps,
+                log_decay=g, normalize=normalize,
+            )  # fmt: skip
+        else:
+            form = causal_recurrent if method == "recurrent" else partial(quadratic, causal=True)
+            out, S, z = form(
+                xp, *features(q, k, keep), v, S, z, eps=eps, log_decay=g, normalize=normalize
+            )
+        return out, LinearAttentionState(S, z)
+
+    def check_initial_state(initial_state: Any, leading: tuple) -> LinearAttentionState:
+        S, z = check_state(inputs, initial_state, leading, d_phi, d_v, name="initial_state")
+        return LinearAttentionState(S, z)
+
+    return run_sequences(
+        inputs,
+        layout,
+        arrays,
+        algorithm,
+        length=T,
+        check_state=check_initial_state,
+        initial_state=initial_state,
+        attention_mask=attention_mask,
+        cu_seqlens=cu_seqlens,
+        return_state=return_state,
     )
-    decay = check_log_decay(
-        inputs, log_decay, length=T, d_phi=fq.shape[-1], mask=mask, layout=layout
-    )
-    if T == 0:  # the new state must not be the caller's own arrays
-        S, z = xp.asarray(S, copy=True), xp.asarray(z, copy=True)
-    if method == "chunked" and scans_tokens(xp, v):
-        out, S, z = _scanned_chunked(
-            xp, *features(q, k, mask), v, S, z, decay, chunk_size=chunk_size, eps=eps,
-            normalize=normalize,
-        )  # fmt: skip
-    elif method == "chunked":
-        out, S, z = causal_chunked(
-            xp, features, q, k, v, S, z, mask=mask, chunk_size=chunk_size, eps=eps,
-            log_decay=decay, normalize=normalize,
-        )  # fmt: skip
-    elif method == "recurrent":
-        out, S, z = causal_recurrent(
-            xp, fq, fk, v, S, z, eps=eps, log_decay=decay, normalize=normalize
-        )
-    else:
-        out, S, z = quadratic(
-            xp, fq, fk, v, S, z, causal=True, eps=eps, log_decay=decay, normalize=normalize
-        )
-    out = layout.restore(finish(inputs, out, mask))
-    return (out, LinearAttentionState(S, z)) if return_state else out
 
 
 def _scanned_chunked(

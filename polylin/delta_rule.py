@@ -70,7 +70,7 @@ def _algorithm(xp: Any, *, method: str, chunk_size: int, scale: float, qk_l2norm
     """The form that ``method`` names, on the arrays ``[q, k, v, beta(, log_decay)]``, its
     output scaled."""
 
-    def algorithm(arrays: list[Any], S: Any) -> tuple[Any, Any]:
+    def algorithm(arrays: list[Any], S: Any, keep: Any) -> tuple[Any, Any]:
         q, k, v, beta, *rest = arrays
         g = rest[0] if rest else None
         if method == "chunked":  # normalizes and scales q block by block (delta_chunked)

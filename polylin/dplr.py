@@ -78,7 +78,7 @@ def _algorithm(xp: Any, method: str, chunk_size: int, scale: float) -> Any:
     """The form that ``method`` names, on the arrays ``[q, k, v, a, b(, log_decay)]``, its
     queries scaled (block by block in the chunked form)."""
 
-    def algorithm(arrays: list[Any], S: Any) -> tuple[Any, Any]:
+    def algorithm(arrays: list[Any], S: Any, keep: Any) -> tuple[Any, Any]:
         q, k, v, a, b, *rest = arrays
         g = rest[0] if rest else None
         if method == "chunked":

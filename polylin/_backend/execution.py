@@ -244,10 +244,29 @@ def _jitted(function: Callable[..., Any], static_argnames: Hashable) -> Callable
 
 
 def check_static(name: str, value: Any) -> None:
-    """An option that decides the computation's structure (a flag, ``chunk_size``, ``eps``)
-    must be a Python value under ``jax.jit``: a traced one is a ``TypeError`` saying how to keep
-    it static. :func:`check_flag` calls it; a flag taken by truthiness (the fla ops') calls it
-    alone."""
+    """Refuse a traced value for an option that decides the computation's structure.
+
+    A flag, ``chunk_size`` or ``eps`` must be a Python value under ``jax.jit``: a traced one is a
+    ``TypeError`` saying how to keep it static. polylin's flag checks call it; a flag taken by
+    truthiness (the fla ops') calls it alone.
+
+    Parameters
+    ----------
+    name : str
+        The option's name, as the caller wrote it.
+    value : object
+        Its value.
+
+    Raises
+    ------
+    TypeError
+        ``value`` is traced by ``jax.jit``.
+
+    Examples
+    --------
+    >>> from polylin.interop import check_static
+    >>> check_static("normalize", True)  # a Python value: nothing to say
+    """
     if is_tracer(value):
         raise TypeError(
             f"{name} must be static under jax.jit, got a traced value: pass it in "

@@ -88,7 +88,26 @@ if sys.modules.get("torch") is not None:  # imported before polylin, the usual o
 
 
 def is_array(x: Any) -> bool:
-    """Whether ``x`` is an array of a library that polylin can run on."""
+    """Whether ``x`` is an array of a library that polylin can run on.
+
+    Parameters
+    ----------
+    x : object
+        Anything.
+
+    Returns
+    -------
+    bool
+        ``False`` for ``None``, Python numbers and strings, ``True`` for an array of an
+        array-API library (NumPy scalars included).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.interop import is_array
+    >>> is_array(np.zeros(3)), is_array(0.5), is_array(None)
+    (True, False, False)
+    """
     # Plain Python values are answered here: torch.compile warns in array-api-compat's cached
     # check. Exact types: NumPy scalars subclass float and are arrays to array-api-compat.
     if x is None or type(x) in (bool, int, float, complex, str):
@@ -123,7 +142,26 @@ def array_namespace(x: Any) -> Any:
     """The array-API namespace of ``x`` (``array_api_compat.array_namespace`` of one array).
 
     Tensors and NumPy arrays are answered without array-api-compat's general lookup (a few
-    microseconds a call: a decoding step asks several times).
+    microseconds a call: a decoding step asks several times); under ``torch.compile`` the
+    namespace is one that compiles without graph breaks.
+
+    Parameters
+    ----------
+    x : array
+        An array of any array-API library.
+
+    Returns
+    -------
+    namespace
+        The namespace polylin computes with for ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.interop import array_namespace
+    >>> xp = array_namespace(np.ones(3))
+    >>> float(xp.sum(xp.ones(3)))
+    3.0
     """
     xp = torch_namespace_of(x)
     if xp is not None:
@@ -140,7 +178,25 @@ _NUMPY_NAMESPACE: Any = None  # array-api-compat's NumPy namespace, once an arra
 
 
 def device(x: Any) -> Any:
-    """The device of ``x`` (``array_api_compat.device``)."""
+    """The device of ``x`` (``array_api_compat.device``).
+
+    Parameters
+    ----------
+    x : array
+        An array of any array-API library.
+
+    Returns
+    -------
+    device
+        Its device, as its library names it (``"cpu"`` for NumPy).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.interop import device
+    >>> device(np.ones(3))
+    'cpu'
+    """
     if torch_namespace_of(x) is not None:
         return x.device
     return "cpu" if is_numpy_array(x) else array_api_compat.device(x)

@@ -79,6 +79,23 @@ def is_real_number(x: Any) -> bool:
 
     NumPy scalars are arrays to array-api-compat, but a caller means a number: they broadcast
     whatever the layout, and are checked like Python numbers.
+
+    Parameters
+    ----------
+    x : object
+        Anything.
+
+    Returns
+    -------
+    bool
+        Whether polylin takes ``x`` as a number.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.interop import is_real_number
+    >>> is_real_number(0.5), is_real_number(np.float32(0.5)), is_real_number(True)
+    (True, True, False)
     """
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
@@ -107,12 +124,57 @@ def work_dtype_for(xp: Any, dtype: Any) -> Any:
 
     Bit width is read from ``finfo`` rather than compared to ``xp.float16``: not every namespace
     has float16 or bfloat16, and NumPy's ``dtype == None`` comparisons are a trap.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array-API namespace of the inputs.
+    dtype : dtype
+        A real floating dtype of ``xp``.
+
+    Returns
+    -------
+    dtype
+        The dtype polylin computes in for inputs of ``dtype``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.interop import array_namespace, work_dtype_for
+    >>> xp = array_namespace(np.ones(1))
+    >>> work_dtype_for(xp, xp.float16) == xp.float32, work_dtype_for(xp, xp.float64) == xp.float64
+    (True, True)
     """
     return xp.float32 if xp.finfo(dtype).bits < 32 else dtype
 
 
 def check_floating(xp: Any, name: str, x: Any) -> None:
-    """A ``TypeError`` naming ``x`` as ``name`` unless its dtype is a real floating one."""
+    """Refuse an array whose dtype is not a real floating one, naming it.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array-API namespace of ``x``.
+    name : str
+        The argument's name, as the caller wrote it.
+    x : array
+        The argument.
+
+    Raises
+    ------
+    TypeError
+        ``x`` has an integer, boolean or complex dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin.interop import array_namespace, check_floating
+    >>> x = np.arange(3)
+    >>> check_floating(array_namespace(x), "q", x)
+    Traceback (most recent call last):
+    ...
+    TypeError: q must have a real floating dtype, got int64
+    """
     if not xp.isdtype(x.dtype, "real floating"):
         raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
 

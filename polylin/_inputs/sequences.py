@@ -1,13 +1,15 @@
-"""What the entry points of the matrix-state recurrences share (the delta rule, the generalized
-delta rule): per-token coefficients in the standard layout, log decays, and one run over a plain
-batch, a padding mask or packed sequences.
+"""What the entry points of the recurrences share (linear attention, the delta rule, the
+generalized delta rule): per-token coefficients in the standard layout, log decays, and one run
+over a plain batch, a padding mask or packed sequences.
 
-An algorithm is a function ``algorithm(arrays, S)`` of the per-token arrays (standard layout,
-work dtype) and the state that returns ``(out, S)``. :func:`run_sequences` validates the state,
-builds the mask of real tokens from ``attention_mask`` or ``cu_seqlens`` (packing the sequences
-into a padded batch), selects every per-token array to 0 at masked tokens (for these
-recurrences zero inputs and a zero log decay leave the state exactly as it was), runs the
-algorithm, zeroes the masked outputs and restores the caller's layout and dtype.
+An algorithm is a function ``algorithm(arrays, S, keep)`` of the per-token arrays (standard
+layout), the state and the mask of real tokens (``(..., T, 1)`` booleans, or ``None``) that
+returns ``(out, S)``. :func:`run_sequences` validates the state, builds ``keep`` from
+``attention_mask`` or ``cu_seqlens`` (packing the sequences into a padded batch), selects every
+per-token array to 0 at masked tokens (for these recurrences zero inputs and a zero log decay
+leave the state exactly as it was), runs the algorithm, zeroes the masked outputs and restores
+the caller's layout and dtype. An algorithm reads ``keep`` only where it makes values that are
+not zero at zero inputs (linear attention's feature map: ``phi(0)`` is not 0).
 """
 
 from __future__ import annotations
@@ -40,8 +42,12 @@ __all__ = [
     "used_as_given",
 ]
 
-#: ``algorithm(arrays, S) -> (out, S)``: one form on validated arrays (module docstring).
-Algorithm = Callable[[list[Any], Any], tuple[Any, Any]]
+#: ``algorithm(arrays, S, keep) -> (out, S)``: one form on validated arrays (module docstring).
+Algorithm = Callable[[list[Any], Any, Any], tuple[Any, Any]]
+
+#: ``check_state(initial_state, leading) -> S``: the state validated for the leading dimensions
+#: ``leading`` (the batch's, and the number of sequences with ``cu_seqlens``).
+StateCheck = Callable[[Any, tuple], Any]
 
 
 def check_scale(scale: Any) -> float:
@@ -162,7 +168,8 @@ def run_sequences(
     algorithm: Algorithm,
     *,
     length: int,
-    state_shape: tuple,
+    state_shape: tuple | None = None,
+    check_state: StateCheck | None = None,
     initial_state: Any,
     attention_mask: Any,
     cu_seqlens: Sequence[int] | None,
@@ -170,37 +177,53 @@ def run_sequences(
 ) -> Any:
     """Validate the state and the mask or offsets, run, and return ``out`` or ``(out, S)``.
 
-    ``arrays`` are ``(..., T, d)`` in the standard layout; ``state_shape`` is the state's shape
-    without the leading dimensions (``(d_k, d_v)``). With ``cu_seqlens`` the sequences are
-    packed into a padded batch (one state per sequence, ``(..., N, *state_shape)``).
+    ``arrays`` are ``(..., T, d)`` in the standard layout, or ``(..., 1, d)`` for one value
+    shared by every token (a number ``log_decay``). The state is a matrix of ``state_shape``
+    after the leading dimensions (``(d_k, d_v)``), or what ``check_state`` makes of
+    ``initial_state`` (a :class:`~polylin.LinearAttentionState`). With ``cu_seqlens`` the
+    sequences are packed into a padded batch (one state per sequence, leading ``(..., N)``).
     """
     xp, batch = inputs.xp, inputs.batch_shape
+    if check_state is None:
+
+        def check_state(initial_state: Any, leading: tuple) -> Any:
+            shape = (*leading, *(state_shape or ()))
+            return check_matrix_state(inputs, initial_state, shape, name="initial_state")
+
     keep = None
     if cu_seqlens is not None:
         if attention_mask is not None:
             raise ValueError("pass attention_mask or cu_seqlens, not both")
         offsets = check_cu_seqlens(cu_seqlens, length)
-        n_seqs = len(offsets) - 1
         max_len = max(b - a for a, b in pairwise(offsets))
-        S = check_matrix_state(
-            inputs, initial_state, (*batch, n_seqs, *state_shape), name="initial_state"
-        )
+        S = check_state(initial_state, (*batch, len(offsets) - 1))
         keep = length_mask(xp, offsets, max_len, inputs.device)[..., None]
-        arrays = [pack(xp, x, offsets, max_len) for x in arrays]
+        arrays = [
+            pack(xp, x, offsets, max_len) if x.shape[-2] == length else x[..., None, :, :]
+            for x in arrays
+        ]
     else:
-        S = check_matrix_state(inputs, initial_state, (*batch, *state_shape), name="initial_state")
+        S = check_state(initial_state, batch)
         if attention_mask is not None:
             mask = check_mask(inputs, attention_mask, length, layout)
             keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
     if keep is not None:
         # Selection, not multiplication: padding may hold NaN, and its inputs are never read.
+        # A value shared by every token becomes the masked tokens' 0 and the others' value.
         arrays = [xp.where(keep, x, 0.0) for x in arrays]
-    out, S = algorithm(arrays, S)
+    out, S = algorithm(arrays, S, keep)
     if keep is not None:
         out = xp.where(keep, out, 0.0)
     if cu_seqlens is not None:
         out = unpack(xp, out, offsets)
-    if length == 0 and initial_state is not None:  # never hand back the caller's own array
-        S = xp.asarray(S, copy=True)
+    if length == 0 and initial_state is not None:  # never hand back the caller's own arrays
+        S = _copied(xp, S)
     out = layout.restore(finish(inputs, out, None))
     return (out, S) if return_state else out
+
+
+def _copied(xp: Any, S: Any) -> Any:
+    """A copy of a state: an array, or a tuple of arrays (a ``LinearAttentionState``)."""
+    if isinstance(S, tuple):
+        return type(S)(*(xp.asarray(part, copy=True) for part in S))
+    return xp.asarray(S, copy=True)
