@@ -55,9 +55,10 @@ test: $(VENV)/.test-stamp browser
 	POLYLIN_DOCS_OFFLINE=1 $(MAKE) docs
 	POLYLIN_DOCS_HTML=$(CURDIR)/docs/_build/html $(PY) -m pytest -n auto -m "not slow"
 
-# The tests marked slow (starting local Dask clusters): a separate CI step (.ci/run).
+# The tests marked slow (the full grids of slow_grid tests on JAX, Dask and the GPUs, and a
+# few long cases): a separate CI step (.ci/run), in parallel like make test.
 test-slow: $(VENV)/.test-stamp
-	$(PY) -m pytest -m slow
+	$(PY) -m pytest -n auto -m slow
 
 test-fast: $(VENV)/.test-stamp
 	POLYLIN_BACKENDS=numpy,torch $(PY) -m pytest -x -q -m "not slow"
