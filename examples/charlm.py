@@ -14,11 +14,10 @@ linear attention with a positive feature map has no notion of position, and this
 back gives the model local order at the cost of one vector per layer in the decoding state.
 
 With ``layer="gated-deltanet"`` each block's attention is a Gated DeltaNet block instead
-(:class:`polylin.torch.GatedDeltaNet`'s computation, its parameters under the same names and
-shapes, here written with polylin's functions so that it too runs on any arrays): short causal
-convolutions on q, k, v (:func:`polylin.causal_conv1d`; they give the model local order, so there
-is no token shift), :func:`polylin.delta_rule_attention` for training and prefill,
-:func:`polylin.delta_rule_step` for decoding, and the gated RMSNorm (:func:`polylin.rms_norm`).
+(:func:`polylin.blocks.gated_deltanet`, :class:`polylin.torch.GatedDeltaNet`'s computation on
+its parameters under the same names and shapes, on any arrays): short causal convolutions on q,
+k, v (they give the model local order, so there is no token shift), the gated delta rule, the
+gated RMSNorm; :func:`polylin.blocks.gated_deltanet_step` for decoding.
 
 This module imports NumPy (for data and initialization) and polylin, never PyTorch or JAX.
 """
@@ -39,16 +38,8 @@ import numpy as np
 from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
-from polylin import (
-    causal_conv1d,
-    causal_conv1d_step,
-    causal_linear_attention,
-    delta_rule_attention,
-    delta_rule_step,
-    step,
-)
-from polylin import rms_norm as gated_rms_norm
-from polylin.activations import sigmoid, softplus
+from polylin import causal_linear_attention, step
+from polylin.blocks import BlockCache, gated_deltanet, gated_deltanet_step
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The "
@@ -204,44 +195,15 @@ def is_gdn(params: Params, i: int) -> bool:
 
 def gdn_attention(
     params: Params, i: int, h: Any, *, n_heads: int, cache: Any = None
-) -> tuple[Any, tuple[tuple[Any, ...], Any]]:
+) -> tuple[Any, BlockCache]:
     """Block ``i``'s Gated DeltaNet over ``h`` ``(batch, T, d)`` (``(batch, d)``: one token, then
-    ``cache`` is needed); returns the output and the block's cache ``(conv states, S)``."""
-    xp = array_namespace(h)
+    ``cache`` is needed): :func:`polylin.blocks.gated_deltanet` on the block's parameters;
+    returns the output and the block's cache."""
     p = f"block{i}.attn."
-    one = h.ndim == 2
-
-    def proj(name: str) -> Any:
-        return h @ xp.matrix_transpose(params[p + name])
-
-    convs = []
-    for j, n in enumerate("qkv"):
-        weight = params[f"{p}{n}_conv1d.weight"][:, 0, :]
-        state = None if cache is None else cache[0][j]
-        if one:
-            y, state = causal_conv1d_step(proj(f"{n}_proj.weight"), weight, state=state,
-                                          activation="silu")  # fmt: skip
-        else:
-            y, state = causal_conv1d(proj(f"{n}_proj.weight"), weight, state=state,
-                                     activation="silu", return_state=True)  # fmt: skip
-        convs.append((y, state))
-    lead = h.shape[:-1]
-    d_head = h.shape[-1] // n_heads
-    q, k, v = (xp.reshape(y, (*lead, n_heads, d_head)) for y, _ in convs)
-    beta = sigmoid(proj("b_proj.weight"))[..., None]
-    g = -xp.exp(params[p + "A_log"]) * softplus(proj("a_proj.weight") + params[p + "dt_bias"])
-    options = dict(log_decay=g[..., None], scale=d_head**-0.5, qk_l2norm=True)
-    S = None if cache is None else cache[1]
-    if one:
-        o, S = delta_rule_step(q, k, v, beta, S, **options)
-    else:
-        o, S = delta_rule_attention(
-            q, k, v, beta, initial_state=S, return_state=True, seq_axis=1, **options
-        )
-    gate = xp.reshape(proj("g_proj.weight"), o.shape)
-    o = gated_rms_norm(o, params[p + "o_norm.weight"], gate=gate, eps=NORM_EPS)
-    out = xp.reshape(o, h.shape) @ xp.matrix_transpose(params[p + "o_proj.weight"])
-    return out, (tuple(state for _, state in convs), S)
+    block = {name[len(p) :]: value for name, value in params.items() if name.startswith(p)}
+    if h.ndim == 2:
+        return gated_deltanet_step(block, h, cache, num_heads=n_heads, norm_eps=NORM_EPS)
+    return gated_deltanet(block, h, num_heads=n_heads, norm_eps=NORM_EPS, return_cache=True)
 
 
 def save_weights(path: Path, params: dict[str, np.ndarray], *, n_heads: int) -> None:

@@ -5,8 +5,8 @@
 Loads ``DIR/weights.npz`` and ``DIR/vocab.json`` (written by ``char_lm_torch.py``), prefills the
 prompt with ``polylin.causal_linear_attention`` (the chunked form, ``return_state=True``) and
 decodes greedily with ``polylin.step``, printing the prompt and its continuation (a model trained
-with ``--layer gated-deltanet`` runs its Gated DeltaNet blocks with ``polylin.causal_conv1d``,
-``polylin.delta_rule_attention`` and ``polylin.delta_rule_step``: the weights say which). The
+with ``--layer gated-deltanet`` runs its Gated DeltaNet blocks with
+``polylin.blocks.gated_deltanet`` and ``gated_deltanet_step``: the weights say which). The
 model code is the one PyTorch trained (``examples/charlm.py``), here running on NumPy arrays, in
 float64 like the sample: for the sample's prompt and 200 tokens this prints exactly
 ``DIR/sample.txt``.
