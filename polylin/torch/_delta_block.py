@@ -1,5 +1,6 @@
-"""What Gated DeltaNet and Kimi Delta Attention share: q, k, v with short convolutions, grouped
-value heads, the delta rule over the whole sequence or one token, the cache."""
+"""What the Gated DeltaNet and Kimi Delta Attention modules share: the sizes, the input
+projections and short convolutions as parameters, the cache; the computation is
+:mod:`polylin.blocks`'."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..activations import sigmoid, silu
-from ..delta_rule import DELTA_METHODS, delta_rule_attention, delta_rule_step
-from ._blocks import Block, LayerCache, ShortConvolution, convolve, positive_int
+from ..blocks import BlockCache
+from ..delta_rule import DELTA_METHODS
+from ._blocks import Block, LayerCache, ShortConvolution, positive_int
 
 __all__ = ["DeltaRuleBlock"]
 
@@ -22,11 +23,9 @@ class DeltaRuleBlock(Block):
     A subclass sets the sizes (``hidden_size``, ``num_heads``, ``num_v_heads``, ``head_k_dim``,
     ``head_v_dim``, ``key_dim``, ``value_dim``), ``use_short_conv``, ``method``,
     ``chunk_size``, the projections ``q_proj``, ``k_proj``, ``v_proj``, ``b_proj``, the
-    convolutions, and defines :meth:`_log_decay` and :meth:`_output`.
-
-    Heads are laid out ``(..., num_heads, group, d)`` with ``group = num_v_heads //
-    num_heads``: query/key head ``h`` serves value heads ``h * group .. h * group + group - 1``
-    by broadcasting (q and k have a size-1 group axis; nothing is copied).
+    convolutions and the rest of its parameters, and names its functions of
+    :mod:`polylin.blocks` (``_block``, ``_block_step``), which compute every number from the
+    parameters by their state-dict names.
     """
 
     hidden_size: int
@@ -101,21 +100,26 @@ class DeltaRuleBlock(Block):
             self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, **kw)
         return kw
 
-    def _log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        """The log decay per token: ``(..., num_heads, group, 1 or head_k_dim)``."""
-        raise NotImplementedError
+    #: The block function of :mod:`polylin.blocks` and its step.
+    _block: Any
+    _block_step: Any
 
-    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The output norm, gate and projection of ``o`` ``(..., num_v_heads, head_v_dim)``."""
-        raise NotImplementedError
+    def _options(self) -> dict[str, Any]:
+        """The block function's options that the parameters' shapes do not give."""
+        return {
+            "num_heads": self.num_heads, "allow_neg_eigval": self.allow_neg_eigval,
+            "norm_eps": self.norm_eps, "method": self.method, "chunk_size": self.chunk_size,
+        }  # fmt: skip
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        """The parameters by their state-dict names, as the block functions take them: plain
+        tensor views (``torch.compile`` traces polylin's checks of a tensor, not of an
+        ``nn.Parameter``)."""
+        return {name: p[...] for name, p in self.named_parameters()}
 
     @property
     def _group(self) -> int:
         return self.num_v_heads // self.num_heads
-
-    def _grouped(self, t: torch.Tensor, size: int) -> torch.Tensor:
-        """``(..., num_v_heads * size)`` as ``(..., num_heads, group, size)``."""
-        return t.view(*t.shape[:-1], self.num_heads, self._group, size)
 
     def _convs(self) -> list[ShortConvolution]:
         return [self.q_conv1d, self.k_conv1d, self.v_conv1d] if self.use_short_conv else []
@@ -127,61 +131,17 @@ class DeltaRuleBlock(Block):
             "use_short_conv": self.use_short_conv, "conv_size": self.conv_size,
         }  # fmt: skip
 
-    def _qkv(
-        self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None, *, one: bool
-    ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
-        """q, k, v after their convolutions, split into heads (``one``: a single token)."""
-        projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
-        states = None if cache is None else cache.conv_state
-        if self.use_short_conv:
-            projected, conv_state = convolve(self._convs(), projected, mask, states, one=one)
-        else:
-            projected, conv_state = [silu(p) for p in projected], ()
-        lead = x.shape[:-1]
-        q, k = (p.view(*lead, self.num_heads, 1, self.head_k_dim) for p in projected[:2])
-        v = self._grouped(projected[2], self.head_v_dim)
-        return [q, k, v], conv_state
-
-    def _coefficients(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``beta`` ``(..., num_heads, group, 1)`` and the log decay, in ``dtype``."""
-        beta = sigmoid(self.b_proj(x))
-        if self.allow_neg_eigval:
-            beta = 2.0 * beta
-        return self._grouped(beta.to(dtype), 1), self._log_decay(x).to(dtype)
-
-    def _state_in(self, cache: LayerCache | None) -> torch.Tensor | None:
-        """The cache's ``(batch, num_v_heads, d_k, d_v)`` state as the functions take it."""
-        if cache is None:
-            return None
-        S = cache.recurrent_state
-        return S.view(S.shape[0], self.num_heads, self._group, *S.shape[2:])
-
-    def _cache(self, conv_state: tuple[torch.Tensor, ...], S: torch.Tensor) -> LayerCache:
-        return LayerCache(conv_state, S.reshape(S.shape[0], self.num_v_heads, *S.shape[3:]))
-
     def _sequence(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
-    ) -> tuple[torch.Tensor, LayerCache]:
-        (q, k, v), conv_state = self._qkv(x, mask, cache, one=False)
-        beta, g = self._coefficients(x, q.dtype)
-        o, S = delta_rule_attention(
-            q, k, v, beta, log_decay=g, scale=self.head_k_dim**-0.5, qk_l2norm=True,
-            method=self.method, chunk_size=self.chunk_size, initial_state=self._state_in(cache),
-            return_state=True, attention_mask=mask, seq_axis=1,
+    ) -> tuple[torch.Tensor, BlockCache]:
+        return self._block(
+            self._params(), x, attention_mask=mask, cache=cache, return_cache=True,
+            **self._options(),
         )  # fmt: skip
-        o = o.reshape(*x.shape[:2], self.num_v_heads, self.head_v_dim)
-        return self._output(o, x), self._cache(conv_state, S)
 
     def _token(
         self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
-    ) -> tuple[torch.Tensor, LayerCache]:
-        (q, k, v), conv_state = self._qkv(x_t, mask, cache, one=True)
-        beta, g = self._coefficients(x_t, q.dtype)
-        S0 = self._state_in(cache)
-        o, S = delta_rule_step(
-            q, k, v, beta, S0, log_decay=g, scale=self.head_k_dim**-0.5, qk_l2norm=True
+    ) -> tuple[torch.Tensor, BlockCache]:
+        return self._block_step(
+            self._params(), x_t, cache, attention_mask=mask, **self._options()
         )
-        if mask is not None:  # the rows that do not take the token keep their state
-            S = torch.where(mask[:, None, None, None, None], S, 0.0 if S0 is None else S0)
-        o = o.reshape(x_t.shape[0], self.num_v_heads, self.head_v_dim)
-        return self._output(o, x_t), self._cache(conv_state, S)

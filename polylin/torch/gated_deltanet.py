@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .. import DEFAULT_CHUNK_SIZE
-from ..activations import softplus
+from ..blocks import gated_deltanet, gated_deltanet_step
 from ._blocks import RMSNorm, inverse_softplus_dt
 from ._delta_block import DeltaRuleBlock
 
@@ -37,6 +37,9 @@ class GatedDeltaNet(DeltaRuleBlock):
 
     The options and parameter names are those of ``fla.layers.GatedDeltaNet``; a state dict of
     one loads into the other.
+
+    The computation is :func:`polylin.blocks.gated_deltanet` (and its step) on the module's
+    parameters.
 
     Parameters
     ----------
@@ -121,6 +124,9 @@ class GatedDeltaNet(DeltaRuleBlock):
     True
     """
 
+    _block = staticmethod(gated_deltanet)
+    _block_step = staticmethod(gated_deltanet_step)
+
     def __init__(
         self,
         hidden_size: int = 2048,
@@ -173,15 +179,3 @@ class GatedDeltaNet(DeltaRuleBlock):
             f"num_v_heads={self.num_v_heads}, head_dim={self.head_dim}, "
             f"head_v_dim={self.head_v_dim}, method={self.method!r}"
         )
-
-    def _log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        """``-exp(A_log) * softplus(a_proj(x) + dt_bias)``: ``(..., num_heads, group, 1)``."""
-        A = torch.exp(self.A_log)
-        return self._grouped(-A * softplus(self.a_proj(x) + self.dt_bias), 1)
-
-    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        gate = None
-        if self.use_gate:
-            gate = self.g_proj(x).view(*x.shape[:-1], self.num_v_heads, self.head_v_dim)
-        o = self.o_norm(o, gate)
-        return self.o_proj(o.reshape(*x.shape[:-1], self.value_dim))

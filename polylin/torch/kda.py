@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .. import DEFAULT_CHUNK_SIZE
-from ..activations import sigmoid, softplus
+from ..blocks import kimi_delta_attention, kimi_delta_attention_step
 from ._blocks import RMSNorm, inverse_softplus_dt
 from ._delta_block import DeltaRuleBlock
 
@@ -35,6 +35,9 @@ class KimiDeltaAttention(DeltaRuleBlock):
 
     Options and parameter names are those of ``fla.layers.KimiDeltaAttention``; a state dict
     of one loads into the other.
+
+    The computation is :func:`polylin.blocks.kimi_delta_attention` (and its step) on the module's
+    parameters.
 
     Parameters
     ----------
@@ -106,6 +109,9 @@ class KimiDeltaAttention(DeltaRuleBlock):
     True
     """
 
+    _block = staticmethod(kimi_delta_attention)
+    _block_step = staticmethod(kimi_delta_attention_step)
+
     def __init__(
         self,
         hidden_size: int = 2048,
@@ -168,15 +174,5 @@ class KimiDeltaAttention(DeltaRuleBlock):
             f"method={self.method!r}"
         )
 
-    def _log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        """The gate per value head and key channel: ``(..., num_heads, group, head_dim)``."""
-        f = self._grouped(self.f_proj(x) + self.dt_bias, self.head_k_dim)
-        A = torch.exp(self.A_log).view(self.num_heads, self._group, 1)
-        if self.lower_bound is None:
-            return -A * softplus(f)
-        return self.lower_bound * sigmoid(A * f)
-
-    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        gate = self.g_proj(x).view(*x.shape[:-1], self.num_v_heads, self.head_v_dim)
-        o = self.o_norm(o, gate)
-        return self.o_proj(o.reshape(*x.shape[:-1], self.value_dim))
+    def _options(self) -> dict[str, Any]:
+        return {**super()._options(), "lower_bound": self.lower_bound}
