@@ -520,12 +520,14 @@ class Block(nn.Module):
 
     def _sequence(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
-    ) -> tuple[torch.Tensor, LayerCache]:
+    ) -> tuple[torch.Tensor, tuple[Any, Any]]:
+        """The output and the new cache's ``(conv_state, recurrent_state)``."""
         raise NotImplementedError
 
     def _token(
         self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
-    ) -> tuple[torch.Tensor, LayerCache]:
+    ) -> tuple[torch.Tensor, tuple[Any, Any]]:
+        """The output and the new cache's ``(conv_state, recurrent_state)``."""
         raise NotImplementedError
 
     def forward(

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks import BlockCache
 from ..delta_rule import DELTA_METHODS
 from ._blocks import Block, LayerCache, ShortConvolution, positive_int
 
@@ -133,7 +132,7 @@ class DeltaRuleBlock(Block):
 
     def _sequence(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
-    ) -> tuple[torch.Tensor, BlockCache]:
+    ) -> tuple[torch.Tensor, tuple[Any, Any]]:
         return self._block(
             self._params(), x, attention_mask=mask, cache=cache, return_cache=True,
             **self._options(),
@@ -141,7 +140,7 @@ class DeltaRuleBlock(Block):
 
     def _token(
         self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
-    ) -> tuple[torch.Tensor, BlockCache]:
+    ) -> tuple[torch.Tensor, tuple[Any, Any]]:
         return self._block_step(
             self._params(), x_t, cache, attention_mask=mask, **self._options()
         )
