@@ -105,3 +105,23 @@ def test_mamba2_check_refuses_a_different_layer():
         theirs.D.add_(1.0)  # a different skip connection: a different function
     with pytest.raises(AssertionError):
         mamba2.check(ours, theirs, torch.randn(1, 20, 32))
+
+
+def test_array_blocks_benchmark(tmp_path):
+    """benchmarks/array_blocks.py: each block on torch, NumPy and JAX is checked against the torch
+    module before it is timed; a row per block and implementation, ratios to the module."""
+    from benchmarks import array_blocks
+
+    out = tmp_path / "blocks.json"
+    report = array_blocks.main([
+        "--lengths", "20", "--hidden", "128", "--repeats", "1", "--decode-tokens", "1",
+        "--json", str(out),
+    ])  # fmt: skip
+    impls = {r["impl"] for r in report["rows"]}
+    assert {"torch module", "block on torch", "block on NumPy"} <= impls
+    for r in report["rows"]:
+        assert r["max_diff"] < 1e-4 and r["forward_ratio"] == r["forward_s"] / next(
+            m["forward_s"] for m in report["rows"]
+            if m["impl"] == "torch module" and m["block"] == r["block"]
+        )
+    assert json.loads(out.read_text())["rows"] == report["rows"]

@@ -1,0 +1,178 @@
+"""polylin.blocks on NumPy, PyTorch and JAX against the PyTorch modules, on the CPU.
+
+    python benchmarks/array_blocks.py [--lengths 1024] [--hidden 512] [--repeats 5]
+                                      [--decode-tokens 50] [--json PATH]
+
+For Gated DeltaNet and Kimi Delta Attention (``num_heads = hidden / 128``, ``head_dim`` 64;
+Gated DeltaNet's ``expand_v`` 2): the torch module, the block function on the module's state
+dict as torch tensors, as NumPy arrays and as JAX arrays (``jax.jit``, its compile time
+recorded), each checked against the module first. Float32, batch 1, the threads PyTorch and the
+BLAS libraries choose; forward (torch under ``no_grad``), forward+backward (the sum of the
+output, to every parameter: ``backward`` on torch, ``jax.jit(jax.grad)`` on JAX; NumPy has
+none) and one decoding token after a 16-token prefill. The two PyTorch calls are interleaved;
+NumPy's and JAX's are timed after them, each on its own (OpenBLAS's and XLA's threads spin on
+after a call and slow the next one). The ratio is each time over the torch module's in the same
+run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and polylin
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.timing import interleaved_times, run_metadata, write_report  # noqa: E402
+from polylin import blocks  # noqa: E402
+from polylin.torch import GatedDeltaNet, KimiDeltaAttention  # noqa: E402
+
+HEAD_DIM = 64
+#: name -> (torch module, block, step, extra constructor options)
+BLOCKS = {
+    "gated_deltanet": (GatedDeltaNet, blocks.gated_deltanet, blocks.gated_deltanet_step,
+                       {"expand_v": 2}),
+    "kimi_delta_attention": (KimiDeltaAttention, blocks.kimi_delta_attention,
+                             blocks.kimi_delta_attention_step, {}),
+}  # fmt: skip
+
+
+def _jax() -> Any | None:
+    try:
+        import jax
+    except ImportError:
+        return None
+    return jax
+
+
+def _rows(name: str, length: int, hidden: int, repeats: int, tokens: int) -> list[dict]:
+    module_type, block, step, extra = BLOCKS[name]
+    heads = max(1, hidden // 128)
+    torch.manual_seed(0)
+    module = module_type(hidden_size=hidden, num_heads=heads, head_dim=HEAD_DIM, **extra)
+    options = {"num_heads": heads}
+    x = torch.randn(1, length, hidden)
+    with torch.no_grad():
+        want = module(x).numpy()
+    params = {n: p.detach() for n, p in module.state_dict().items()}
+    as_numpy = {n: p.numpy() for n, p in params.items()}
+    impls: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None, Callable[[], Any]]] = {}
+
+    def module_backward() -> None:
+        module.zero_grad()
+        module(x).sum().backward()
+
+    _, cache = module(x[:, :16], return_cache=True)
+    with torch.no_grad():
+        impls["torch module"] = (
+            lambda: module(x),
+            module_backward,
+            lambda: module.step(x[:, 16], cache),
+        )
+    leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+
+    def block_backward() -> None:
+        block(leaves, x, **options).sum().backward()
+
+    _, t_cache = block(params, x[:, :16], return_cache=True, **options)
+    impls["block on torch"] = (
+        lambda: block(params, x, **options), block_backward,
+        lambda: step(params, x[:, 16], t_cache, **options),
+    )  # fmt: skip
+    xn = x.numpy()
+    _, n_cache = block(as_numpy, xn[:, :16], return_cache=True, **options)
+    impls["block on NumPy"] = (
+        lambda: block(as_numpy, xn, **options), None,
+        lambda: step(as_numpy, xn[:, 16], n_cache, **options),
+    )  # fmt: skip
+    compile_s = None
+    jax = _jax()
+    if jax is not None:
+        jp = {n: jax.numpy.asarray(p) for n, p in as_numpy.items()}
+        jx = jax.numpy.asarray(xn)
+        forward = jax.jit(lambda p, x: block(p, x, **options))
+        grad = jax.jit(jax.grad(lambda p, x: block(p, x, **options).sum()))
+        jstep = jax.jit(lambda p, x, c: step(p, x, c, **options))
+        start = time.perf_counter()
+        forward(jp, jx).block_until_ready()
+        compile_s = time.perf_counter() - start
+        _, j_cache = jax.jit(lambda p, x: block(p, x, return_cache=True, **options))(jp, jx[:, :16])
+        impls["block on JAX (jit)"] = (
+            lambda: forward(jp, jx).block_until_ready(),
+            lambda: jax.block_until_ready(grad(jp, jx)),
+            lambda: jax.block_until_ready(jstep(jp, jx[:, 16], j_cache)),
+        )  # fmt: skip
+    rows = []
+    for impl, (fwd, _, _) in impls.items():
+        got = np.asarray(fwd() if impl != "torch module" else want)
+        diff = float(np.max(np.abs(np.asarray(got, dtype=np.float64) - want)))
+        if diff > 1e-3 * max(1.0, float(np.max(np.abs(want)))):
+            raise AssertionError(f"{name} {impl}: differs from the torch module by {diff}")
+        rows.append({"block": name, "T": length, "hidden": hidden, "impl": impl,
+                     "max_diff": diff})  # fmt: skip
+    # OpenBLAS's and JAX's CPU threads keep spinning for a while after a call returns, which
+    # slows whatever runs next: the PyTorch calls are interleaved, NumPy and JAX each timed
+    # after them on their own (their ratios are to the module's time of the same run).
+    groups = [[n for n in impls if n in ("torch module", "block on torch")]]
+    groups += [[n] for n in impls if n not in groups[0]]
+    for pass_name, index, count in (("forward", 0, repeats), ("forward+backward", 1, repeats),
+                                    ("decode", 2, tokens)):  # fmt: skip
+        base = None
+        for names in groups:
+            timed = [n for n in names if impls[n][index] is not None]
+            fns = [lambda _i, fn=impls[n][index]: fn() for n in timed]
+            backward = pass_name == "forward+backward"
+            with contextlib.nullcontext() if backward else torch.no_grad():
+                results = interleaved_times(fns, count)
+            if base is None:
+                base = results[timed.index("torch module")][0]
+            for n, (median, _) in zip(timed, results):
+                row = next(r for r in rows if r["impl"] == n)
+                row[f"{pass_name}_s"], row[f"{pass_name}_ratio"] = median, median / base
+    for row in rows:
+        if row["impl"].startswith("block on JAX"):
+            row["compile_s"] = compile_s
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-tokens", type=int, default=50)
+    parser.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=list(BLOCKS))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    report: dict[str, Any] = {
+        "meta": run_metadata("benchmarks/array_blocks.py " + " ".join(argv or sys.argv[1:])),
+        "rows": [], "goals": [],
+    }  # fmt: skip
+    print(f"{'block':22s} {'T':>5s} {'impl':20s} {'fwd ms':>8s} {'ratio':>6s} "
+          f"{'f+b ms':>8s} {'ratio':>6s} {'step us':>8s} {'ratio':>6s}")  # fmt: skip
+    for length in args.lengths:
+        for name in args.blocks:
+            for row in _rows(name, length, args.hidden, args.repeats, args.decode_tokens):
+                report["rows"].append(row)
+                fb = row.get("forward+backward_s")
+                print(
+                    f"{name:22s} {length:5d} {row['impl']:20s} {row['forward_s'] * 1e3:8.2f} "
+                    f"{row['forward_ratio']:6.2f} "
+                    + (f"{fb * 1e3:8.2f} {row['forward+backward_ratio']:6.2f} " if fb else
+                       f"{'-':>8s} {'-':>6s} ")
+                    + f"{row['decode_s'] * 1e6:8.0f} {row['decode_ratio']:6.2f}"
+                )  # fmt: skip
+    return write_report(report, args.json)
+
+
+if __name__ == "__main__":
+    main()
