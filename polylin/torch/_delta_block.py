@@ -114,7 +114,7 @@ class DeltaRuleBlock(Block):
         """The parameters by their state-dict names, as the block functions take them; under
         ``torch.compile`` as plain tensor views (it traces polylin's checks of a tensor, not of
         an ``nn.Parameter``; eagerly the views would cost 50 us a call)."""
-        params = dict(self.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.named_parameters())
         if torch.compiler.is_compiling():
             return {name: p[...] for name, p in params.items()}
         return params
