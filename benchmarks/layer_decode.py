@@ -94,7 +94,8 @@ class SoftmaxBlock(torch.nn.Module):
 def bare_step(block: GatedDeltaNet, x_t: torch.Tensor, cache: LayerCache) -> torch.Tensor:
     """GatedDeltaNet.step's computation as bare calls, without the layer's checks or reshapes
     beyond what the functions need."""
-    H, G, dk, dv = block.num_heads, block._group, block.head_k_dim, block.head_v_dim
+    H, dk, dv = block.num_heads, block.head_k_dim, block.head_v_dim
+    G = block.num_v_heads // H
     b = x_t.shape[0]
     outs = []
     for proj, conv, state in zip(

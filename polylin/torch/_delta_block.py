@@ -1,6 +1,6 @@
 """What the Gated DeltaNet and Kimi Delta Attention modules share: the sizes, the input
 projections and short convolutions as parameters, the cache; the computation is
-:mod:`polylin.blocks`'."""
+:mod:`polylin.blocks`."""
 
 from __future__ import annotations
 
@@ -118,10 +118,6 @@ class DeltaRuleBlock(Block):
         if torch.compiler.is_compiling():
             return {name: p[...] for name, p in params.items()}
         return params
-
-    @property
-    def _group(self) -> int:
-        return self.num_v_heads // self.num_heads
 
     def _convs(self) -> list[ShortConvolution]:
         return [self.q_conv1d, self.k_conv1d, self.v_conv1d] if self.use_short_conv else []
