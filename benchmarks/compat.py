@@ -124,13 +124,14 @@ def no_time_kernel(query: Any, key: Any, value: Any, g: Any, beta: Any, **option
 def with_no_time_kernel(model: Any) -> Any:
     """``model`` (converted in place) with its linear-attention layers' chunked kernel
     replaced by :func:`no_time_kernel` (the recurrent one, for decoding, is left as it is)."""
-    from polylin.compat.transformers import LAYER_CLASSES, _rebind
+    from polylin.compat.transformers import LAYER_CLASSES
+    from polylin.compat.transformers._rebind import rebind
 
     for layer in model.modules():
-        kernels = LAYER_CLASSES.get(type(layer).__name__)
-        if kernels is not None:
-            chunked = {name: no_time_kernel for name in kernels if "chunk" in name}
-            layer.forward = types.MethodType(_rebind(type(layer).forward, chunked), layer)
+        conversion = LAYER_CLASSES.get(type(layer).__name__)
+        if conversion is not None and conversion.kernels:
+            chunked = {name: no_time_kernel for name in conversion.kernels if "chunk" in name}
+            layer.forward = types.MethodType(rebind(type(layer).forward, chunked), layer)
     return model
 
 
