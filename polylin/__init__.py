@@ -19,6 +19,7 @@ from .delta_rule import (
     prepare_delta_rule_step,
 )
 from .dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step, prepare_dplr_step
+from .mlstm import MLSTM_EPS, MLSTM_METHODS, MLSTMState, mlstm, mlstm_step
 from .normalization import rms_norm
 
 __version__ = "0.2.0"
@@ -29,7 +30,10 @@ __all__ = [
     "DELTA_METHODS",
     "DPLR_METHODS",
     "METHODS",
+    "MLSTM_EPS",
+    "MLSTM_METHODS",
     "LinearAttentionState",
+    "MLSTMState",
     "PreparedStep",
     "__version__",
     "activations",
@@ -43,6 +47,8 @@ __all__ = [
     "feature_maps",
     "linear_attention",
     "masked_kernel_attention",
+    "mlstm",
+    "mlstm_step",
     "prepare_delta_rule_step",
     "prepare_dplr_step",
     "prepare_step",

@@ -1,0 +1,1 @@
+"""The mLSTM (xLSTM's matrix memory): recurrent, chunked and quadratic forms."""
