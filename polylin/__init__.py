@@ -20,7 +20,8 @@ from .delta_rule import (
 )
 from .dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step, prepare_dplr_step
 from .mlstm import MLSTM_EPS, MLSTM_METHODS, MLSTMState, mlstm, mlstm_step
-from .normalization import rms_norm
+from .normalization import group_norm, rms_norm
+from .selective_scan import SELECTIVE_METHODS, selective_scan, selective_scan_step
 
 __version__ = "0.2.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "METHODS",
     "MLSTM_EPS",
     "MLSTM_METHODS",
+    "SELECTIVE_METHODS",
     "LinearAttentionState",
     "MLSTMState",
     "PreparedStep",
@@ -45,6 +47,7 @@ __all__ = [
     "dplr_delta_rule",
     "dplr_delta_rule_step",
     "feature_maps",
+    "group_norm",
     "linear_attention",
     "masked_kernel_attention",
     "mlstm",
@@ -53,5 +56,7 @@ __all__ = [
     "prepare_dplr_step",
     "prepare_step",
     "rms_norm",
+    "selective_scan",
+    "selective_scan_step",
     "step",
 ]

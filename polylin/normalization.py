@@ -1,4 +1,5 @@
-"""RMSNorm, with the output gate of Gated DeltaNet, GLA, KDA and Mamba-2 blocks."""
+"""RMSNorm, with the output gate of Gated DeltaNet, GLA, KDA and Mamba-2 blocks; the group
+norm of RWKV-7's block."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ._inputs.validation import check_flag, check_options
 from ._typing import Array
 from .activations import sigmoid, silu
 
-__all__ = ["GATE_ACTIVATIONS", "rms_norm"]
+__all__ = ["GATE_ACTIVATIONS", "group_norm", "rms_norm"]
 
 #: The gate activations of :func:`rms_norm` (``"swish"`` is ``"silu"``).
 GATE_ACTIVATIONS = ("silu", "swish", "sigmoid")
@@ -117,4 +118,105 @@ def rms_norm(
         y = y * cast(weight)
     if gate is not None and norm_before_gate:
         y = y * act(cast(gate))
+    return y if y.dtype == x.dtype else array_namespace(y).astype(y, x.dtype)
+
+
+def group_norm(
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    /,
+    *,
+    num_groups: int,
+    eps: float = 1e-5,
+) -> Array:
+    r"""Group norm over the last axis: each group of channels to mean 0 and variance 1.
+
+    The last axis (``C`` channels) splits into ``num_groups`` consecutive groups of
+    ``C // num_groups``; each is normalized by its own mean and (biased) variance,
+    ``(x - mean) / sqrt(var + eps)``, then ``* weight + bias`` per channel. This is
+    ``torch.nn.GroupNorm`` on ``(N, C)`` inputs (RWKV-7's output norm, one group per head).
+    Half-precision inputs are normalized in float32 and cast back.
+
+    Parameters
+    ----------
+    x : array
+        ``(..., C)``.
+    weight, bias : array, optional
+        ``(C,)``, the dtype of ``x``; ``None``: no scale, no shift.
+    num_groups : int
+        Number of groups; must divide ``C``.
+    eps : float
+        Added to the variance; > 0 and finite.
+
+    Returns
+    -------
+    array
+        The shape, library and dtype of ``x``.
+
+    Raises
+    ------
+    TypeError
+        Non-arrays, arrays of several libraries, non-floating or mismatched dtypes, an ``eps``
+        that is not a real number.
+    ValueError
+        ``num_groups`` not a positive divisor of ``C``, ``weight`` or ``bias`` not of shape
+        ``(C,)``, ``eps`` not > 0 and finite.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import group_norm
+    >>> x = np.array([[1.0, 3.0, 10.0, 30.0]])       # two groups of two channels
+    >>> group_norm(x, num_groups=2, eps=1e-12).round(4)
+    array([[-1.,  1., -1.,  1.]])
+    >>> group_norm(x, np.array([1.0, 1.0, 2.0, 2.0]), np.zeros(4), num_groups=2, eps=1e-12)
+    array([[-1.,  1., -2.,  2.]])
+    """
+    arrays = {"x": x}
+    if weight is not None:
+        arrays["weight"] = weight
+    if bias is not None:
+        arrays["bias"] = bias
+    xp = namespace_of(**arrays)
+    if not xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
+    for name, value in arrays.items():
+        if value.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {value.dtype} but x has dtype {x.dtype}")
+    if x.ndim < 1:
+        raise ValueError("x must have a channel axis (..., C), got a 0-D array")
+    channels = x.shape[-1]
+    if (
+        isinstance(num_groups, bool)
+        or not isinstance(num_groups, int)
+        or num_groups < 1
+        or channels % num_groups
+    ):
+        raise ValueError(
+            f"num_groups must be a positive int dividing x's last axis ({channels}), got "
+            f"{num_groups!r}"
+        )
+    for name, value in (("weight", weight), ("bias", bias)):
+        if value is not None and tuple(value.shape) != (channels,):
+            raise ValueError(
+                f"{name} must have shape (C,) = ({channels},), got {tuple(value.shape)}"
+            )
+    eps = check_options(eps=eps).eps
+    if not math.isfinite(eps):
+        raise ValueError(f"eps must be > 0 and finite, got {eps}")
+    work = work_dtype_for(xp, x.dtype)
+
+    def cast(a: Any) -> Any:
+        return a if a.dtype == work else xp.astype(a, work)
+
+    lead = tuple(x.shape[:-1])
+    y = xp.reshape(cast(x), (*lead, num_groups, channels // num_groups))
+    y = y - xp.mean(y, axis=-1, keepdims=True)
+    y = y / xp.sqrt(xp.mean(y * y, axis=-1, keepdims=True) + eps)
+    y = xp.reshape(y, (*lead, channels))
+    if weight is not None:
+        y = y * cast(weight)
+    if bias is not None:
+        y = y + cast(bias)
     return y if y.dtype == x.dtype else array_namespace(y).astype(y, x.dtype)

@@ -7,7 +7,14 @@ arrays of any one library) and the input, with its decoding step and an initiali
   DeltaNet (Qwen3-Next, Qwen3.5), :class:`polylin.torch.GatedDeltaNet`'s computation;
 - :func:`kimi_delta_attention`, :func:`kimi_delta_attention_step`,
   :func:`init_kimi_delta_attention`: Kimi Delta Attention (Kimi Linear),
-  :class:`polylin.torch.KimiDeltaAttention`'s computation.
+  :class:`polylin.torch.KimiDeltaAttention`'s computation;
+- :func:`gated_linear_attention`, :func:`gated_linear_attention_step`,
+  :func:`init_gated_linear_attention`: gated linear attention (GLA),
+  :class:`polylin.torch.GatedLinearAttention`'s computation;
+- :func:`mamba2`, :func:`mamba2_step`, :func:`init_mamba2`: Mamba-2's block (its SSD scan),
+  :class:`polylin.torch.Mamba2`'s computation;
+- :func:`rwkv7`, :func:`rwkv7_step`, :func:`init_rwkv7`: RWKV-7's time mixing,
+  :class:`polylin.torch.RWKV7Attention`'s computation (with the value residual ``v_first``).
 
 A cache is a :class:`BlockCache` of plain arrays (a pytree under ``jax.jit``). The results are
 of the input's library, device and dtype: NumPy serves a model trained in PyTorch, JAX trains
@@ -16,14 +23,30 @@ one under ``jax.jit`` and ``jax.grad``.
 
 from ._params import BlockCache
 from .gated_deltanet import gated_deltanet, gated_deltanet_step, init_gated_deltanet
+from .gla import (
+    gated_linear_attention,
+    gated_linear_attention_step,
+    init_gated_linear_attention,
+)
 from .kda import init_kimi_delta_attention, kimi_delta_attention, kimi_delta_attention_step
+from .mamba2 import init_mamba2, mamba2, mamba2_step
+from .rwkv7 import init_rwkv7, rwkv7, rwkv7_step
 
 __all__ = [
     "BlockCache",
     "gated_deltanet",
     "gated_deltanet_step",
+    "gated_linear_attention",
+    "gated_linear_attention_step",
     "init_gated_deltanet",
+    "init_gated_linear_attention",
     "init_kimi_delta_attention",
+    "init_mamba2",
+    "init_rwkv7",
     "kimi_delta_attention",
     "kimi_delta_attention_step",
+    "mamba2",
+    "mamba2_step",
+    "rwkv7",
+    "rwkv7_step",
 ]

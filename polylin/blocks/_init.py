@@ -3,7 +3,7 @@
 The core imports no array library, so the draws come from Python's ``random`` (a Mersenne
 Twister seeded once per call) and become arrays of the caller's namespace. The distributions
 are the torch modules' (``torch.nn.Linear``'s and ``torch.nn.Conv1d``'s defaults, Mamba's
-``A_log`` and ``dt_bias``); the values differ from torch's draws.
+``A_log`` and ``dt_bias``, ``torch.nn.init.orthogonal_``); the values differ from torch's draws.
 """
 
 from __future__ import annotations
@@ -76,3 +76,19 @@ class Draws:
             dt = max(math.exp(self.rng.uniform(math.log(dt_min), math.log(dt_max))), floor)
             values.append(dt + math.log(-math.expm1(-dt)))
         return self._array(values, (size,))
+
+    def orthogonal(self, rows: int, cols: int, *, gain: float = 1.0) -> Any:
+        """A ``(rows, cols)`` weight with orthonormal rows or columns, times ``gain``
+        (``torch.nn.init.orthogonal_``: the Q of a Gaussian matrix's QR, signs fixed by R's
+        diagonal; the namespace's ``linalg.qr``)."""
+        gauss = self.rng.gauss
+        tall = (max(rows, cols), min(rows, cols))
+        x = self._array([gauss(0.0, 1.0) for _ in range(rows * cols)], tall)
+        q, r = self.xp.linalg.qr(x)
+        diagonal = self.xp.linalg.diagonal(r) if hasattr(self.xp.linalg, "diagonal") else None
+        if diagonal is None:  # pragma: no cover - every namespace polylin supports has it
+            diagonal = self.xp.sum(r * self.xp.eye(r.shape[0], dtype=r.dtype), axis=0)
+        q = self.xp.where(diagonal < 0, -q, q)
+        if rows < cols:
+            q = self.xp.matrix_transpose(q)
+        return q * gain

@@ -18,9 +18,13 @@ class BlockCache(NamedTuple):
     ----------
     conv_state : tuple of arrays
         The short convolutions' states, ``(batch, conv_size - 1, channels)`` each, in the
-        order ``q``, ``k``, ``v`` (empty without short convolutions).
-    recurrent_state : array
-        The recurrent state, ``(batch, num_v_heads, head_dim, head_v_dim)``.
+        order ``q``, ``k``, ``v`` (empty without short convolutions); RWKV-7's token shift:
+        one state ``(batch, 1, hidden_size)``, the last real token.
+    recurrent_state : array or polylin.LinearAttentionState
+        The recurrent state, ``(batch, num_v_heads, head_dim, head_v_dim)``; for GLA and
+        Mamba-2, the :class:`polylin.LinearAttentionState` ``(S, z)`` of their linear attention,
+        ``S`` ``(batch, num_heads, d_k, d_v)`` (RWKV-7:
+        ``(batch, num_heads, head_dim, head_v_dim)``).
 
     Examples
     --------

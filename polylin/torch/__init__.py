@@ -3,7 +3,8 @@
 - :class:`LinearAttention`: multi-head linear attention, a drop-in for softmax self-attention.
 - :class:`GatedDeltaNet`, :class:`KimiDeltaAttention`, :class:`GatedLinearAttention`,
   :class:`Mamba2`: the blocks of those models (projections, short convolutions, gates, the
-  output norm), with the options and parameter names of ``fla.layers``.
+  output norm), with the options and parameter names of ``fla.layers``;
+  :class:`RWKV7Attention`: RWKV-7's time mixing, likewise.
 
 Every layer trains with ``forward`` and decodes one token at a time with ``step``; the blocks
 keep a :class:`LayerCache` (convolution states and the recurrent state) between calls. Every
@@ -24,6 +25,7 @@ from .gla import GatedLinearAttention
 from .kda import KimiDeltaAttention
 from .linear_attention import LinearAttention
 from .mamba2 import Mamba2
+from .rwkv7 import RWKV7Attention
 
 # polylin may have been imported before torch: its first call with a tensor resolves torch's
 # array-API namespace. Made here, eagerly, so that no call traced by torch.compile is the first
@@ -38,5 +40,6 @@ __all__ = [
     "LinearAttention",
     "Mamba2",
     "RMSNorm",
+    "RWKV7Attention",
     "ShortConvolution",
 ]
