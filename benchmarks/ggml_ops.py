@@ -1,0 +1,587 @@
+"""polylin against llama.cpp's ggml CPU kernels, on the same shapes: prefill and decode.
+
+    python benchmarks/ggml_ops.py [--threads 1 2] [--repeats 7] [--json PATH]
+                                  [--cache DIR] [--skip-ggml] [--build-only] [--quick]
+
+Builds ggml's ``test-backend-ops`` from the llama.cpp vendored in the pinned llama-cpp-python
+sdist (downloaded with pip, built with cmake, CPU only, ``-DGGML_NATIVE=ON``) into a cache
+folder outside the checkout (``~/.cache/polylin-ggml``, or ``--cache``), with two changes to the
+test program, none to the kernels: the thread count comes from ``GGML_PERF_THREADS``, and perf
+cases for the shapes below that its list lacks are added. It then runs
+``test-backend-ops perf -b CPU -o <OP> --output csv`` for ``GATED_DELTA_NET`` (scalar gate and
+KDA), ``SSM_SCAN``, ``RWKV_WKV7``, ``GATED_LINEAR_ATTN`` and ``SSM_CONV``, once per thread
+count, and times polylin on the same shapes (float32, one sequence) on PyTorch and NumPy with
+the same thread count: each polylin call first checked against a float64 loop of ggml's own
+semantics (read from ``ggml/src/ggml-cpu/ops.cpp``), then timed (median of interleaved
+repeats). The report gives polylin's time over ggml's, per op, shape and thread count.
+
+Where cmake or a C++ compiler is missing the ggml side is skipped with a message (exit 0); the
+polylin side still runs (its checks included). Absolute times on a shared machine are noise:
+read the ratios, and rerun on a quiet machine for the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and polylin
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.timing import goal, run_metadata, write_report  # noqa: E402
+from polylin import (  # noqa: E402
+    LinearAttentionState,
+    causal_conv1d,
+    causal_conv1d_step,
+    causal_linear_attention,
+    delta_rule_attention,
+    dplr_delta_rule,
+    prepare_delta_rule_step,
+    prepare_dplr_step,
+    prepare_step,
+)
+from polylin.feature_maps import identity  # noqa: E402
+from polylin.testing import Backend  # noqa: E402
+
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+SDIST = "llama-cpp-python==0.3.36"
+SDIST_DIR = "llama_cpp_python-0.3.36"
+DEFAULT_CACHE = Path.home() / ".cache" / "polylin-ggml"
+OPS = ("GATED_DELTA_NET", "SSM_SCAN", "RWKV_WKV7", "GATED_LINEAR_ATTN", "SSM_CONV")
+
+#: perf cases added to test-backend-ops (its own list has GDN 32x128, SSM_SCAN and SSM_CONV)
+EXTRA_CASES = """
+    // polylin benchmarks/ggml_ops.py: shapes its comparison needs
+    test_cases.emplace_back(new test_gated_delta_net(GGML_TYPE_F32, 16, 64, 512, 1));
+    test_cases.emplace_back(new test_gated_delta_net(GGML_TYPE_F32, 16, 64, 4096, 1));
+    test_cases.emplace_back(
+        new test_gated_delta_net(GGML_TYPE_F32, 16, 128, 512, 1, 1, false, true));
+    test_cases.emplace_back(new test_rwkv_wkv7(GGML_TYPE_F32, 32, 64, 512, 1));
+    test_cases.emplace_back(new test_rwkv_wkv7(GGML_TYPE_F32, 32, 64, 1, 1));
+    test_cases.emplace_back(new test_gla(GGML_TYPE_F32, 32, 64, 512, 1));
+    test_cases.emplace_back(new test_gla(GGML_TYPE_F32, 32, 64, 1, 1));
+"""
+ANCHOR = "    // GATED_DELTA_NET: realistic model configurations\n"
+THREADS_OLD = "ggml_backend_set_n_threads_fn(backend.get(), std::max<int>(1, N_THREADS/2));"
+THREADS_NEW = ("ggml_backend_set_n_threads_fn(backend.get(), getenv(\"GGML_PERF_THREADS\") ? "
+               "atoi(getenv(\"GGML_PERF_THREADS\")) : std::max<int>(1, N_THREADS/2));")
+CMAKE_PROJECT = """cmake_minimum_required(VERSION 3.14)
+project(polylin_ggml C CXX)
+set(CMAKE_CXX_STANDARD 17)
+add_subdirectory({ggml} ggml)
+add_executable(test-backend-ops test-backend-ops-polylin.cpp)
+target_link_libraries(test-backend-ops PRIVATE ggml)
+"""
+
+
+def _say(message: str) -> None:
+    print(f"ggml_ops: {message}", file=sys.stderr, flush=True)
+
+
+def _missing_tools() -> list[str]:
+    missing = [tool for tool in ("cmake",) if shutil.which(tool) is None]
+    if not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
+        missing.append("a C++ compiler (c++, g++ or clang++)")
+    return missing
+
+
+def build_ggml(cache: Path) -> Path | None:
+    """``test-backend-ops`` built in ``cache`` (reused when there), or ``None`` with a message."""
+    binary = cache / "build" / "test-backend-ops"
+    if binary.exists():
+        return binary
+    missing = _missing_tools()
+    if missing:
+        _say(f"{', '.join(missing)} not found: the ggml side is skipped")
+        return None
+    cache.mkdir(parents=True, exist_ok=True)
+    source = cache / SDIST_DIR / "vendor" / "llama.cpp"
+    if not source.exists():
+        _say(f"downloading the {SDIST} sdist into {cache}")
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             SDIST, "-d", str(cache)], capture_output=True, text=True)
+        if done.returncode != 0:
+            _say(f"pip download failed, the ggml side is skipped:\n{done.stderr[-2000:]}")
+            return None
+        shutil.unpack_archive(str(cache / f"{SDIST_DIR}.tar.gz"), str(cache))
+    text = (source / "tests" / "test-backend-ops.cpp").read_text()
+    if ANCHOR not in text or THREADS_OLD not in text:
+        _say("test-backend-ops.cpp is not the expected version: the ggml side is skipped")
+        return None
+    text = text.replace(ANCHOR, EXTRA_CASES + ANCHOR).replace(THREADS_OLD, THREADS_NEW)
+    (cache / "test-backend-ops-polylin.cpp").write_text(text)
+    (cache / "CMakeLists.txt").write_text(CMAKE_PROJECT.format(ggml=(source / "ggml").as_posix()))
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    steps = [
+        ["cmake", "-S", str(cache), "-B", str(cache / "build"), *generator,
+         "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+         "-DGGML_BACKEND_DL=OFF", "-DGGML_CPU=ON"],
+        ["cmake", "--build", str(cache / "build"), "--target", "test-backend-ops",
+         "-j", str(os.cpu_count() or 1)],
+    ]
+    _say(f"building test-backend-ops in {cache / 'build'} (several minutes)")
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode != 0:
+            _say(f"{' '.join(step[:2])} failed, the ggml side is skipped:\n"
+                 f"{(done.stdout + done.stderr)[-3000:]}")
+            return None
+    return binary if binary.exists() else None
+
+
+# -- the ggml side: run test-backend-ops perf, parse its lines ------------------------------
+
+_LINE = re.compile(r"^\s*([A-Z0-9_]+)\((.*)\):\s+(\d+) runs -\s+([0-9.]+) us/run")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def parse_perf(text: str) -> list[dict[str, Any]]:
+    """The rows of ``test-backend-ops perf``'s console output: op, parameters, us per run."""
+    rows = []
+    for line in _ANSI.sub("", text).splitlines():
+        match = _LINE.match(line)
+        if match:
+            op, params, runs, us = match.groups()
+            rows.append({"op": op, "params": _params(params), "runs": int(runs),
+                         "seconds": float(us) * 1e-6})
+    return rows
+
+
+def _params(text: str) -> dict[str, str]:
+    """``type=f32,ne_a=[515,3328,1,1],kda=1`` as a dict of strings (brackets kept whole)."""
+    out, depth, start = {}, 0, 0
+    for i, char in enumerate(text + ","):
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            name, _, value = text[start:i].partition("=")
+            out[name.strip()] = value.strip()
+            start = i + 1
+    return out
+
+
+def run_ggml(binary: Path, threads: int) -> list[dict[str, Any]]:
+    """One perf run of the five ops on ``threads`` threads (each case runs for >= 1 s)."""
+    env = dict(os.environ, GGML_PERF_THREADS=str(threads))
+    done = subprocess.run([str(binary), "perf", "-b", "CPU", "-o", ",".join(OPS)],
+                          env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"test-backend-ops failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return parse_perf(done.stdout)
+
+
+# -- the shapes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One comparison: ggml's op and parameters, polylin's family and sizes."""
+
+    name: str
+    op: str
+    phase: str  # "prefill" or "decode"
+    family: str  # gdn, kda, ssm, wkv7, gla, conv
+    sizes: tuple[tuple[str, int], ...]  # H, d, T (ssm: N; conv: C)
+    ggml: tuple[tuple[str, str], ...]  # the parameters that pick ggml's row
+
+    def size(self, name: str) -> int:
+        """One of the sizes."""
+        return dict(self.sizes)[name]
+
+    def matches(self, row: dict[str, Any]) -> bool:
+        """Whether a parsed ggml row is this case's."""
+        return row["op"] == self.op and all(row["params"].get(n) == v for n, v in self.ggml)
+
+
+def _delta(heads: int, dim: int, length: int, kda: bool) -> Case:
+    family, label = ("kda", "KDA") if kda else ("gdn", "GDN")
+    return Case(
+        f"{label} {heads}x{dim} T={length}", "GATED_DELTA_NET",
+        "decode" if length == 1 else "prefill", family,
+        (("H", heads), ("d", dim), ("T", length)),
+        (("head_count", str(heads)), ("head_size", str(dim)), ("n_seq_tokens", str(length)),
+         ("n_seqs", "1"), ("v_repeat", "1"), ("permuted", "0"), ("kda", str(int(kda))),
+         ("K", "1")),
+    )  # fmt: skip
+
+
+def _heads(op: str, family: str, label: str, heads: int, dim: int, length: int) -> Case:
+    return Case(
+        f"{label} {heads}x{dim} T={length}", op, "decode" if length == 1 else "prefill", family,
+        (("H", heads), ("d", dim), ("T", length)),
+        (("head_count", str(heads)), ("head_size", str(dim)), ("n_seq_tokens", str(length)),
+         ("n_seqs", "1")),
+    )  # fmt: skip
+
+
+def _ssm(heads: int, dim: int, state: int, length: int) -> Case:
+    return Case(
+        f"SSM {heads}x{dim} N={state} T={length}", "SSM_SCAN",
+        "decode" if length == 1 else "prefill", "ssm",
+        (("H", heads), ("d", dim), ("N", state), ("T", length)),
+        (("d_state", str(state)), ("head_dim", str(dim)), ("n_head", str(heads)),
+         ("n_group", "1"), ("n_seq_tokens", str(length)), ("n_seqs", "1"),
+         ("xbc_overlap", "0"), ("K", "1"), ("weak_decay", "0")),
+    )  # fmt: skip
+
+
+def _conv(channels: int, length: int) -> Case:
+    return Case(
+        f"conv {channels} T={length}", "SSM_CONV", "decode" if length == 1 else "prefill", "conv",
+        (("C", channels), ("T", length)),
+        (("ne_a", f"[{length + 3},{channels},1,1]"), ("ne_b", f"[4,{channels},1,1]")),
+    )  # fmt: skip
+
+
+def cases(quick: bool = False) -> list[Case]:
+    """The issue's shapes (``quick``: tiny ones with no ggml row, for the smoke test)."""
+    if quick:
+        return [
+            *(_delta(2, 16, t, False) for t in (24, 1)), _delta(2, 16, 24, True),
+            *(_ssm(3, 8, 16, t) for t in (24, 1)),
+            *(_heads("RWKV_WKV7", "wkv7", "WKV7", 2, 16, t) for t in (24, 1)),
+            *(_heads("GATED_LINEAR_ATTN", "gla", "GLA", 2, 16, t) for t in (24, 1)),
+            *(_conv(40, t) for t in (24, 1)),
+        ]  # fmt: skip
+    return [
+        *(_delta(32, 128, t, False) for t in (64, 512, 1024)),
+        *(_delta(16, 64, t, False) for t in (512, 4096)),
+        _delta(16, 128, 512, True),
+        _ssm(48, 64, 128, 512),
+        _heads("RWKV_WKV7", "wkv7", "WKV7", 32, 64, 512),
+        _heads("GATED_LINEAR_ATTN", "gla", "GLA", 32, 64, 512),
+        _conv(3328, 512),
+        _delta(32, 128, 1, False), _delta(16, 64, 1, False), _delta(32, 128, 1, True),
+        _ssm(48, 64, 128, 1),
+        _heads("RWKV_WKV7", "wkv7", "WKV7", 32, 64, 1),
+        _heads("GATED_LINEAR_ATTN", "gla", "GLA", 32, 64, 1),
+        _conv(3328, 1),
+    ]  # fmt: skip
+
+
+# -- inputs and the float64 references of ggml's semantics (ggml-cpu/ops.cpp) ----------------
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def make_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
+    """Float64 inputs in polylin's layout, batch 1, time on axis 1 (ggml's ``[T, H, d]``)."""
+    rng = np.random.default_rng(seed)
+    sizes = dict(case.sizes)
+    length = sizes["T"]
+    if case.family == "conv":
+        channels = sizes["C"]
+        return {"x": rng.standard_normal((1, length, channels)),
+                "weight": rng.standard_normal((channels, 4)) / 2,
+                "state": rng.standard_normal((1, 3, channels))}  # fmt: skip
+    heads, dim = sizes["H"], sizes["d"]
+    shape = (1, length, heads, dim)
+    if case.family == "ssm":
+        state = sizes["N"]
+        return {"x": rng.standard_normal(shape), "dt": rng.uniform(-1, 1, (1, length, heads)),
+                "A": -rng.uniform(0.5, 1.0, heads),
+                "B": rng.standard_normal((1, length, 1, state)),
+                "C": rng.standard_normal((1, length, 1, state)),
+                "S": rng.standard_normal((1, heads, state, dim)) / 4}  # fmt: skip
+    out = {"q": rng.standard_normal(shape), "k": rng.standard_normal(shape),
+           "v": rng.standard_normal(shape),
+           "S": rng.standard_normal((1, heads, dim, dim)) / 4}  # fmt: skip
+    if case.family in ("gdn", "kda"):  # ggml's test: q, k l2-normalized before the op
+        width = dim if case.family == "kda" else 1
+        out.update(q=_unit(out["q"]), k=_unit(out["k"]),
+                   g=-rng.uniform(1e-4, 0.5, (1, length, heads, width)),
+                   beta=rng.uniform(0, 1, (1, length, heads, 1)))  # fmt: skip
+    elif case.family == "gla":  # ggml takes the gate itself; polylin its log
+        out["g"] = -rng.uniform(1e-3, 0.3, shape)
+        out["k"] = out["k"] * dim**-0.5
+    else:  # wkv7: RWKV-7's a = -kk, b = kk * in-context rate, log w = -exp(...)
+        kk = _unit(rng.standard_normal(shape))
+        out.update(a=-kk, b=kk * rng.uniform(0, 1, shape), k=out["k"] * dim**-0.5,
+                   g=-np.exp(rng.uniform(-6, -0.5, shape)))  # fmt: skip
+    return out
+
+
+def reference(case: Case, x: dict[str, np.ndarray]) -> np.ndarray:
+    """ggml's token loop in float64: the output, in polylin's layout."""
+    if case.family == "conv":  # SSM_CONV: out[t, c] = sum_i [state; x][t + i, c] w[c, i]
+        padded = np.concatenate([x["state"], x["x"]], axis=1)
+        length = x["x"].shape[1]
+        return sum(padded[:, i : i + length] * x["weight"][:, i] for i in range(4))
+    length = x["x" if case.family == "ssm" else "q"].shape[1]
+    S = x["S"][0].copy()  # (H, d_k, d_v): S[i][j] of ggml's comments
+    outs = []
+    for t in range(length):
+        if case.family == "ssm":  # SSM_SCAN: dt' = softplus(dt), S = exp(dt' A) S + B (x dt')
+            dt = np.logaddexp(0.0, x["dt"][0, t])
+            S = S * np.exp(dt * x["A"])[:, None, None] + (
+                x["B"][0, t, 0][None, :, None] * (x["x"][0, t] * dt[:, None])[:, None, :])
+            outs.append(np.einsum("hij,i->hj", S, x["C"][0, t, 0]))
+            continue
+        q, k, v, g = (x[n][0, t] for n in ("q", "k", "v", "g"))
+        if case.family in ("gdn", "kda"):  # GATED_DELTA_NET: decay, delta, write, read
+            S = S * np.exp(g)[:, :, None]
+            delta = (v - np.einsum("hij,hi->hj", S, k)) * x["beta"][0, t]
+            S = S + k[:, :, None] * delta[:, None, :]
+            outs.append(np.einsum("hij,hi->hj", S, q) / np.sqrt(v.shape[-1]))
+        elif case.family == "gla":  # GATED_LINEAR_ATTN: S = g S + k v^T, o = scale S^T q
+            S = S * np.exp(g)[:, :, None] + k[:, :, None] * v[:, None, :]
+            outs.append(np.einsum("hij,hi->hj", S, q) / np.sqrt(q.shape[-1]))
+        else:  # RWKV_WKV7: S = diag(w) S + b (a^T S) + k v^T, o = S^T r
+            sa = np.einsum("hi,hij->hj", x["a"][0, t], S)
+            S = S * np.exp(g)[:, :, None] + k[:, :, None] * v[:, None, :] + (
+                x["b"][0, t][:, :, None] * sa[:, None, :])
+            outs.append(np.einsum("hij,hi->hj", S, q))
+    return np.stack(outs)[None]
+
+
+# -- polylin's calls -------------------------------------------------------------------------
+
+
+def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[], Any]:
+    """polylin's fastest call for ``case`` on arrays ``x`` of ``backend`` (float32); it
+    returns the output in the layout of :func:`reference`."""
+    xp = backend.namespace()
+    decode = case.phase == "decode"
+    token = {n: a[:, 0] for n, a in x.items() if n not in ("A", "S", "weight", "state")}
+    if case.family == "conv":
+        if decode:
+            return lambda: causal_conv1d_step(token["x"], x["weight"], state=x["state"])[0][:, None]
+        return lambda: causal_conv1d(x["x"], x["weight"], state=x["state"], seq_axis=1)
+    if case.family in ("gdn", "kda"):
+        scale = case.size("d") ** -0.5
+        if decode:
+            step = prepare_delta_rule_step(scale=scale)
+            return lambda: step(token["q"], token["k"], token["v"], token["beta"], x["S"],
+                                log_decay=token["g"])[0][:, None]  # fmt: skip
+        return lambda: delta_rule_attention(
+            x["q"], x["k"], x["v"], x["beta"], log_decay=x["g"], scale=scale,
+            initial_state=x["S"], return_state=True, seq_axis=1)[0]  # fmt: skip
+    if case.family == "wkv7":
+        if decode:
+            step = prepare_dplr_step()
+            return lambda: step(*(token[n] for n in ("q", "k", "v", "a", "b")), x["S"],
+                                log_decay=token["g"])[0][:, None]  # fmt: skip
+        return lambda: dplr_delta_rule(
+            x["q"], x["k"], x["v"], x["a"], x["b"], log_decay=x["g"], initial_state=x["S"],
+            return_state=True, seq_axis=1)[0]  # fmt: skip
+    state = LinearAttentionState(x["S"], xp.zeros(x["S"].shape[:-1], dtype=x["S"].dtype))
+    if case.family == "gla":
+        scale = case.size("d") ** -0.5
+        if decode:
+            step = prepare_step(identity, normalize=False)
+            return lambda: step(token["q"] * scale, token["k"], token["v"], state,
+                                log_decay=token["g"])[0][:, None]  # fmt: skip
+        return lambda: causal_linear_attention(
+            x["q"] * scale, x["k"], x["v"], identity, log_decay=x["g"], normalize=False,
+            initial_state=state, return_state=True, seq_axis=1)[0]  # fmt: skip
+
+    def ssm_inputs(at: dict[str, Any]) -> tuple[Any, Any]:  # ggml's softplus, x dt', dt' A
+        dt = at["dt"]
+        dt = xp.where(dt > 20.0, dt, xp.log1p(xp.exp(xp.minimum(dt, 20.0))))[..., None]
+        return at["x"] * dt, dt * x["A"][:, None]
+
+    if decode:
+        step = prepare_step(identity, normalize=False)
+
+        def ssm_token() -> Any:
+            v, log_decay = ssm_inputs(token)
+            return step(token["C"], token["B"], v, state, log_decay=log_decay)[0][:, None]
+
+        return ssm_token
+
+    def ssm() -> Any:
+        v, log_decay = ssm_inputs(x)
+        return causal_linear_attention(
+            x["C"], x["B"], v, identity, log_decay=log_decay, normalize=False,
+            initial_state=state, return_state=True, seq_axis=1)[0]  # fmt: skip
+
+    return ssm
+
+
+# -- polylin's side: checked, then timed (in a process per thread count) --------------------
+
+#: The largest error allowed against the float64 reference, relative to the output's scale.
+TOLERANCE = 1e-3
+BACKENDS = {"numpy": Backend.NUMPY, "torch": Backend.TORCH}
+
+
+def _median_time(fn: Callable[[], Any], repeats: int, budget_s: float) -> float:
+    start = time.perf_counter()
+    fn()  # warm-up
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(max(3, min(repeats, int(budget_s / max(first, 1e-9))))):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_polylin(
+    chosen: list[Case], backends: list[str], repeats: int, budget_s: float
+) -> list[dict[str, Any]]:
+    """Each case on each backend: the error against :func:`reference`, then the median time.
+
+    A call whose error exceeds :data:`TOLERANCE` raises: nothing unchecked is timed."""
+    rows = []
+    for case in chosen:
+        inputs = make_inputs(case)
+        want = reference(case, inputs)
+        scale = max(1.0, float(np.max(np.abs(want))))
+        for name in backends:
+            backend = BACKENDS[name]
+            fn = polylin_call(case, backend, {n: backend.from_numpy(a, "float32")
+                                              for n, a in inputs.items()})  # fmt: skip
+            got = backend.to_numpy(fn()).astype(np.float64)
+            error = float(np.max(np.abs(got - want))) / scale
+            if got.shape != want.shape or not error <= TOLERANCE:
+                raise AssertionError(f"{case.name} on {name}: shape {got.shape} vs "
+                                     f"{want.shape}, error {error:.2e} > {TOLERANCE}")
+            rows.append({"case": case.name, "backend": name, "error": error,
+                         "seconds": _median_time(fn, repeats, budget_s)})  # fmt: skip
+    return rows
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """Run in a fresh process whose thread variables are set: print the rows as JSON."""
+    import torch
+
+    torch.set_num_threads(args.threads[0])
+    chosen = [c for c in cases(args.quick) if args.only is None or c.op in args.only]
+    rows = time_polylin(chosen, args.backends, args.repeats, args.budget)
+    print(json.dumps(rows))
+
+
+def run_polylin(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
+    """:func:`time_polylin` in a fresh process with ``threads`` threads everywhere."""
+    env = dict(os.environ, **{name: str(threads) for name in _THREAD_VARIABLES})
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--threads",
+               str(threads), "--repeats", str(args.repeats), "--budget", str(args.budget),
+               "--backends", *args.backends]  # fmt: skip
+    if args.quick:
+        command.append("--quick")
+    if args.only:
+        command += ["--only", *args.only]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the polylin worker failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def _limit(case: Case) -> float:
+    """The issue's goal for polylin / ggml on ``case`` at equal threads."""
+    if case.phase == "decode":  # the 2 MiB states are memory-bound for both
+        return 1.2 if case.family in ("gdn", "kda") and case.size("d") == 128 else 2.0
+    return 0.5 if case.size("T") >= 512 else 1.0
+
+
+def combine(
+    chosen: list[Case], passes: list[dict[str, Any]], backends: list[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows (per case, threads, backend) and goals from the passes' raw measurements: each
+    pass's ratio is of two measurements of that pass; the row has the median and range."""
+    rows, goals = [], []
+    for case in chosen:
+        for threads in sorted({p["threads"] for p in passes}):
+            mine = [p for p in passes if p["threads"] == threads]
+            ggml = [next((r["seconds"] for r in p["ggml"] if case.matches(r)), None)
+                    for p in mine]  # fmt: skip
+            for backend in backends:
+                own = [next(r for r in p["polylin"]
+                            if r["case"] == case.name and r["backend"] == backend)
+                       for p in mine]  # fmt: skip
+                row = {"case": case.name, "op": case.op, "phase": case.phase,
+                       "threads": threads, "backend": backend,
+                       "error": max(r["error"] for r in own),
+                       "polylin_s": statistics.median(r["seconds"] for r in own)}  # fmt: skip
+                ratios = [r["seconds"] / g for r, g in zip(own, ggml) if g]
+                if ratios:
+                    row.update(ggml_s=statistics.median(g for g in ggml if g),
+                               ratio=statistics.median(ratios), ratio_min=min(ratios),
+                               ratio_max=max(ratios))  # fmt: skip
+                    goals.append(goal(f"{case.name}, {backend} / ggml, {threads} thread(s)",
+                                      row["ratio"], _limit(case)))  # fmt: skip
+                rows.append(row)
+    return rows, goals
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table: one line per case and thread count."""
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    what = " / ggml" if any("ratio" in r for r in rows) else ""
+    lines = ["| op, shape | threads | ggml | " + " | ".join(f"{b}{what}" for b in backends)
+             + " | max error |", "|---" * (4 + len(backends)) + "|"]  # fmt: skip
+    for key in dict.fromkeys((r["case"], r["threads"]) for r in rows):
+        mine = [r for r in rows if (r["case"], r["threads"]) == key]
+        ggml = mine[0].get("ggml_s")
+        cells = [f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+                 if "ratio" in r else f"{r['polylin_s'] * 1e3:.3f} ms" for r in mine]  # fmt: skip
+        lines.append(f"| {key[0]} | {key[1]} | "
+                     f"{'-' if ggml is None else f'{ggml * 1e3:.3f} ms'} | "
+                     + " | ".join(cells) + f" | {max(r['error'] for r in mine):.1e} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Build ggml's perf program if needed, run both sides, print and return the report."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--budget", type=float, default=4.0, help="seconds of repeats a call")
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    parser.add_argument("--only", nargs="+", choices=OPS, help="these ggml ops only")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--skip-ggml", action="store_true", help="polylin's side only")
+    parser.add_argument("--build-only", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, no ggml rows")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return None
+    binary = None if args.skip_ggml else build_ggml(args.cache)
+    if args.build_only:
+        print(binary if binary is not None else "ggml not built")
+        return None
+    chosen = [c for c in cases(args.quick) if args.only is None or c.op in args.only]
+    passes = []
+    for index in range(args.passes):
+        for threads in args.threads:
+            _say(f"pass {index + 1}/{args.passes}, {threads} thread(s)")
+            ggml = [] if binary is None or args.quick else run_ggml(binary, threads)
+            passes.append({"threads": threads, "ggml": ggml,
+                           "polylin": run_polylin(args, threads)})  # fmt: skip
+    rows, goals = combine(chosen, passes, args.backends)
+    print(table(rows))
+    report = {
+        "meta": run_metadata(" ".join(["python benchmarks/ggml_ops.py", *(argv or sys.argv[1:])]),
+                             ggml=None if binary is None else str(binary), sdist=SDIST),
+        "rows": rows, "passes": passes, "goals": goals,
+    }  # fmt: skip
+    return write_report(report, args.json)
+
+
+if __name__ == "__main__":
+    main()
