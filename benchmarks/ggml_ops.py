@@ -80,6 +80,18 @@ ANCHOR = "    // GATED_DELTA_NET: realistic model configurations\n"
 THREADS_OLD = "ggml_backend_set_n_threads_fn(backend.get(), std::max<int>(1, N_THREADS/2));"
 THREADS_NEW = ("ggml_backend_set_n_threads_fn(backend.get(), getenv(\"GGML_PERF_THREADS\") ? "
                "atoi(getenv(\"GGML_PERF_THREADS\")) : std::max<int>(1, N_THREADS/2));")
+#: how many copies of the op one timed graph holds: 8 GiB of traffic (or 8 GFLOP) by default,
+#: 30-60 s a case for these ops on one core; the environment lowers it (the loop still runs
+#: for at least one second)
+TARGETS = (
+    ("const uint64_t target_flops_cpu =   8ULL * GFLOP;",
+     "const uint64_t target_flops_cpu = getenv(\"GGML_PERF_CPU_GFLOP\") ? "
+     "atoll(getenv(\"GGML_PERF_CPU_GFLOP\")) * GFLOP : 8ULL * GFLOP;"),
+    ("const size_t target_size_cpu =  8 * GB;",
+     "const size_t target_size_cpu = getenv(\"GGML_PERF_CPU_MIB\") ? "
+     "(size_t) atoll(getenv(\"GGML_PERF_CPU_MIB\")) << 20 : 8 * GB;"),
+)
+PERF_ENV = {"GGML_PERF_CPU_GFLOP": "1", "GGML_PERF_CPU_MIB": "256"}
 CMAKE_PROJECT = """cmake_minimum_required(VERSION 3.14)
 project(polylin_ggml C CXX)
 set(CMAKE_CXX_STANDARD 17)
@@ -103,10 +115,9 @@ def _missing_tools() -> list[str]:
 def build_ggml(cache: Path) -> Path | None:
     """``test-backend-ops`` built in ``cache`` (reused when there), or ``None`` with a message."""
     binary = cache / "build" / "test-backend-ops"
-    if binary.exists():
-        return binary
+    patched = cache / "test-backend-ops-polylin.cpp"
     missing = _missing_tools()
-    if missing:
+    if missing and not binary.exists():
         _say(f"{', '.join(missing)} not found: the ggml side is skipped")
         return None
     cache.mkdir(parents=True, exist_ok=True)
@@ -121,11 +132,18 @@ def build_ggml(cache: Path) -> Path | None:
             return None
         shutil.unpack_archive(str(cache / f"{SDIST_DIR}.tar.gz"), str(cache))
     text = (source / "tests" / "test-backend-ops.cpp").read_text()
-    if ANCHOR not in text or THREADS_OLD not in text:
+    changes = ((ANCHOR, EXTRA_CASES + ANCHOR), (THREADS_OLD, THREADS_NEW), *TARGETS)
+    if any(old not in text for old, _ in changes):
         _say("test-backend-ops.cpp is not the expected version: the ggml side is skipped")
         return None
-    text = text.replace(ANCHOR, EXTRA_CASES + ANCHOR).replace(THREADS_OLD, THREADS_NEW)
-    (cache / "test-backend-ops-polylin.cpp").write_text(text)
+    for old, new in changes:
+        text = text.replace(old, new)
+    if binary.exists() and patched.exists() and patched.read_text() == text:
+        return binary
+    if missing:
+        _say(f"{', '.join(missing)} not found: the ggml side is skipped")
+        return None
+    patched.write_text(text)
     (cache / "CMakeLists.txt").write_text(CMAKE_PROJECT.format(ggml=(source / "ggml").as_posix()))
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     steps = [
@@ -177,7 +195,7 @@ def _params(text: str) -> dict[str, str]:
 
 def run_ggml(binary: Path, threads: int) -> list[dict[str, Any]]:
     """One perf run of the five ops on ``threads`` threads (each case runs for >= 1 s)."""
-    env = dict(os.environ, GGML_PERF_THREADS=str(threads))
+    env = dict(os.environ, GGML_PERF_THREADS=str(threads), **PERF_ENV)
     done = subprocess.run([str(binary), "perf", "-b", "CPU", "-o", ",".join(OPS)],
                           env=env, capture_output=True, text=True)
     if done.returncode != 0:
