@@ -197,11 +197,12 @@ def _sequence(
             new.transpose(1, 2), layer.layer_idx, conv_kernel_size=layer.conv_kernel_size
         ).transpose(1, 2)
         if keep is not None:
-            before = torch.ones((batch, xBC.shape[1] - length), dtype=torch.bool, device=keep.device)
+            before = torch.ones(
+                (batch, xBC.shape[1] - length), dtype=torch.bool, device=keep.device
+            )
             conv_keep = torch.cat([before, keep], dim=1)
-    xBC = causal_conv1d(
-        xBC, weight, bias, activation=layer.activation, attention_mask=conv_keep
-    )[:, -length:]
+    xBC = causal_conv1d(xBC, weight, bias, activation=layer.activation, attention_mask=conv_keep)
+    xBC = xBC[:, -length:]
     q, k, v, log_decay, x = (t.to(work) for t in _ssm_inputs(layer, xBC, dt.to(work), clamp=True))
     y, final = causal_linear_attention(
         q, k, v, identity, initial_state=None if state is None else _grouped(layer, state, work),
@@ -223,9 +224,7 @@ def _token(
     weight, bias = layer.conv1d.weight[:, 0], layer.conv1d.bias
     # The cache keeps conv_kernel inputs; the convolution needs the last conv_kernel - 1.
     previous = conv_state[:, :, 1:].transpose(1, 2).to(_work_dtype(torch, xBC.dtype))
-    out, _ = causal_conv1d_step(
-        xBC, weight, bias, state=previous, activation=layer.activation
-    )
+    out, _ = causal_conv1d_step(xBC, weight, bias, state=previous, activation=layer.activation)
     conv_state.copy_(torch.cat([conv_state[:, :, 1:], xBC[:, :, None].to(conv_state.dtype)], -1))
     q, k, v, log_decay, x = (t.to(work) for t in _ssm_inputs(layer, out, dt.to(work), clamp=False))
     y, new = step(q, k, v, _grouped(layer, state, work), log_decay=log_decay)
