@@ -201,8 +201,10 @@ def _sequence(
                 (batch, xBC.shape[1] - length), dtype=torch.bool, device=keep.device
             )
             conv_keep = torch.cat([before, keep], dim=1)
-    xBC = causal_conv1d(xBC, weight, bias, activation=layer.activation, attention_mask=conv_keep)
-    xBC = xBC[:, -length:]
+    conv: Any = causal_conv1d(
+        xBC, weight, bias, activation=layer.activation, attention_mask=conv_keep
+    )
+    xBC = conv[:, -length:]
     q, k, v, log_decay, x = (t.to(work) for t in _ssm_inputs(layer, xBC, dt.to(work), clamp=True))
     y, final = causal_linear_attention(
         q, k, v, identity, initial_state=None if state is None else _grouped(layer, state, work),
