@@ -19,7 +19,7 @@ from .delta_rule import (
     prepare_delta_rule_step,
 )
 from .dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step, prepare_dplr_step
-from .mlstm import MLSTM_EPS, MLSTM_METHODS, MLSTMState, mlstm, mlstm_step
+from .mlstm import MLSTMState, mlstm, mlstm_step
 from .normalization import group_norm, rms_norm
 from .selective_scan import SELECTIVE_METHODS, selective_scan, selective_scan_step
 
@@ -31,8 +31,6 @@ __all__ = [
     "DELTA_METHODS",
     "DPLR_METHODS",
     "METHODS",
-    "MLSTM_EPS",
-    "MLSTM_METHODS",
     "SELECTIVE_METHODS",
     "LinearAttentionState",
     "MLSTMState",

@@ -16,8 +16,8 @@ import math
 import numpy as np
 import pytest
 
-import polylin
 from polylin import MLSTMState, mlstm, mlstm_step
+from polylin.mlstm import MLSTM_METHODS
 from polylin.testing import Backend
 
 LEAD, T, D_K, D_V, CHUNK = (2, 3), 13, 6, 5, 4  # T not a multiple of the chunk size
@@ -95,7 +95,7 @@ def close_state(backend, got, want, atol=ATOL64):
 
 
 @pytest.mark.slow_grid(cover=("strength",), prefer={"method": "chunked"})
-@pytest.mark.parametrize("method", polylin.MLSTM_METHODS)
+@pytest.mark.parametrize("method", MLSTM_METHODS)
 @pytest.mark.parametrize("strength", [1.0, 20.0])
 def test_matches_reference(backend, rng, method, strength):
     q, k, v, i_gate, f_gate = make_inputs(rng, strength=strength)
@@ -167,7 +167,7 @@ def test_step_after_prefill(backend, rng):
 
 
 @pytest.mark.parametrize("lead", [(1, 3), (2, 1), ()])
-@pytest.mark.parametrize("method", polylin.MLSTM_METHODS)
+@pytest.mark.parametrize("method", MLSTM_METHODS)
 def test_a_shared_initial_state_broadcasts(rng, method, lead):
     inputs = make_inputs(rng)
     S0 = (
@@ -185,7 +185,7 @@ def test_a_shared_initial_state_broadcasts(rng, method, lead):
 
 
 @pytest.mark.slow_grid(prefer={"method": "chunked"})
-@pytest.mark.parametrize("method", polylin.MLSTM_METHODS)
+@pytest.mark.parametrize("method", MLSTM_METHODS)
 def test_padding_mask(backend, rng, method):
     """Left and right padding: masked tokens (NaN inputs) change nothing, output 0, and leave
     the state (``m`` included) exactly as it was."""
@@ -204,7 +204,7 @@ def test_padding_mask(backend, rng, method):
 
 
 @pytest.mark.slow_grid(prefer={"method": "chunked"})
-@pytest.mark.parametrize("method", polylin.MLSTM_METHODS)
+@pytest.mark.parametrize("method", MLSTM_METHODS)
 def test_packed_sequences(backend, rng, method):
     """``cu_seqlens``: each sequence from its own initial state, one final state each."""
     q, k, v, i_gate, f_gate = make_inputs(rng, lead=(3,), length=17, strength=8.0)
@@ -237,7 +237,7 @@ def test_seq_axis_and_empty(rng):
     np.testing.assert_allclose(np.swapaxes(out, 1, 2), want, atol=1e-12, rtol=0)
     S0 = MLSTMState(np.ones((*LEAD, D_K, D_V)), np.ones((*LEAD, D_K)), np.ones((*LEAD, 1)))
     empty = [x[..., :0, :] for x in (q, k, v, i_gate, f_gate)]
-    for method in polylin.MLSTM_METHODS:
+    for method in MLSTM_METHODS:
         out, state = mlstm(*empty, initial_state=S0, method=method, return_state=True)
         assert out.shape == (*LEAD, 0, D_V)
         assert all(s is not s0 and np.array_equal(s, s0) for s, s0 in zip(state, S0))
@@ -254,7 +254,7 @@ def _transformers_kernels():
     return modeling
 
 
-@pytest.mark.parametrize("method", polylin.MLSTM_METHODS)
+@pytest.mark.parametrize("method", MLSTM_METHODS)
 def test_matches_transformers(rng, method):
     """Outputs, the final ``(c, n, m)`` and the gradients of every input and of the initial
     state equal transformers' chunkwise fallback (and its recurrent sequence kernel) in
