@@ -1,6 +1,6 @@
 """What the PyTorch layers share: the cache type, the short convolution, the gated RMSNorm,
 the input checks and the gate parameters' initialization. Every number comes from polylin's
-functions; these modules hold parameters and arrange tensors."""
+functions (a block's from :mod:`polylin.blocks`); these modules hold parameters."""
 
 from __future__ import annotations
 
@@ -22,9 +22,6 @@ __all__ = [
     "check_cache",
     "check_dtype",
     "check_hidden",
-    "convolve",
-    "grouped_state",
-    "heads_state",
     "inverse_softplus_dt",
     "padding_mask",
     "positive_int",
@@ -356,25 +353,6 @@ def inverse_softplus_dt(
     return dt + torch.log(-torch.expm1(-dt))
 
 
-def convolve(
-    convs: list[ShortConvolution],
-    inputs: list[torch.Tensor],
-    mask: torch.Tensor | None,
-    states: tuple[torch.Tensor, ...] | None,
-    *,
-    one: bool,
-) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
-    """Each input through its short convolution from its state (``one``: a single token);
-    the outputs and the new states."""
-    outputs, new_states = [], []
-    for i, (conv, x) in enumerate(zip(convs, inputs)):
-        state = None if states is None else states[i]
-        y, state = conv.step(x, state, mask) if one else conv(x, mask, state, True)
-        outputs.append(y)
-        new_states.append(state)
-    return outputs, tuple(new_states)
-
-
 def _another_layers_cache(origin: str, layer: str) -> ValueError:
     """The error for a cache from another layer: where it comes from (``origin``), which
     layer this is, what to pass instead."""
@@ -457,33 +435,6 @@ def check_dtype(x: torch.Tensor, name: str, module: nn.Module) -> None:
         )
 
 
-def grouped_state(state: Any, shared: int) -> LinearAttentionState | None:
-    """A cache's :class:`~polylin.LinearAttentionState` over ``(batch, heads, ...)`` as the
-    functions take it for grouped heads: ``(batch, shared, heads // shared, ...)`` (views).
-
-    Head ``h`` is in group ``h // (heads // shared)``, the layers' order of heads.
-    """
-    if state is None:
-        return None
-    S, z = state
-    per_group = S.shape[1] // shared
-    return LinearAttentionState(
-        S.reshape(S.shape[0], shared, per_group, *S.shape[2:]),
-        z.reshape(z.shape[0], shared, per_group, *z.shape[2:]),
-    )
-
-
-def heads_state(state: LinearAttentionState) -> LinearAttentionState:
-    """The functions' grouped state ``(batch, shared, per_group, ...)`` back as the cache's
-    ``(batch, heads, ...)`` (the inverse of :func:`grouped_state`)."""
-    S, z = state
-    heads = S.shape[1] * S.shape[2]
-    z = torch.broadcast_to(z, S.shape[:-1])  # without normalize z may keep a size-1 group axis
-    return LinearAttentionState(
-        S.reshape(S.shape[0], heads, *S.shape[3:]), z.reshape(z.shape[0], heads, *z.shape[3:])
-    )
-
-
 def positive_int(name: str, value: Any) -> int:
     """``value`` as a positive int, or a ``ValueError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -503,6 +454,15 @@ class Block(nn.Module):
     hidden_size: int
     #: The type of the cache's recurrent state: one tensor, or a LinearAttentionState.
     _state_kind: type = torch.Tensor
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        """The parameters by their state-dict names, as :mod:`polylin.blocks` takes them;
+        under ``torch.compile`` as plain tensor views (it traces polylin's checks of a tensor,
+        not of an ``nn.Parameter``; eagerly the views would cost 50 us a call)."""
+        params: dict[str, torch.Tensor] = dict(self.named_parameters())
+        if torch.compiler.is_compiling():
+            return {name: p[...] for name, p in params.items()}
+        return params
 
     def _convs(self) -> list[ShortConvolution]:
         """The block's short convolutions, in the order of the cache's ``conv_state``."""

@@ -9,24 +9,14 @@ import torch
 from torch import nn
 
 from .. import DEFAULT_CHUNK_SIZE, LinearAttentionState
-from ..activations import sigmoid, silu, softplus
-from ..attention import METHODS, causal_linear_attention
-from ..decoding import step as attention_step
-from ..feature_maps import identity
-from ._blocks import (
-    Block,
-    LayerCache,
-    RMSNorm,
-    ShortConvolution,
-    convolve,
-    grouped_state,
-    heads_state,
-    positive_int,
-)
+from ..attention import METHODS
+from ..blocks import gated_linear_attention, gated_linear_attention_step
+from ._blocks import Block, LayerCache, RMSNorm, ShortConvolution, positive_int
 
 __all__ = ["GatedLinearAttention"]
 
-_GATE_FNS = {"swish": silu, "silu": silu, "sigmoid": sigmoid}
+#: The output gate's activations (``"swish"`` is SiLU).
+_GATE_FNS = ("swish", "silu", "sigmoid")
 
 
 class GatedLinearAttention(Block):
@@ -48,6 +38,9 @@ class GatedLinearAttention(Block):
 
     Options and parameter names are those of ``fla.layers.GatedLinearAttention``; a state dict
     of one loads into the other.
+
+    The computation is :func:`polylin.blocks.gated_linear_attention` (and its step) on the
+    module's parameters.
 
     Parameters
     ----------
@@ -179,7 +172,7 @@ class GatedLinearAttention(Block):
                     f"{num_heads=}"
                 )
         if gate_fn not in _GATE_FNS:
-            raise ValueError(f"gate_fn must be one of {tuple(_GATE_FNS)}, got {gate_fn!r}")
+            raise ValueError(f"gate_fn must be one of {_GATE_FNS}, got {gate_fn!r}")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if feature_map is not None and not callable(feature_map):
@@ -195,6 +188,7 @@ class GatedLinearAttention(Block):
         self.conv_size, self.conv_bias = conv_size, conv_bias
         self.use_output_gate, self.gate_fn = use_output_gate, gate_fn
         self.gate_logit_normalizer, self.clamp_min = gate_logit_normalizer, clamp_min
+        self.norm_eps, self.fuse_norm = norm_eps, fuse_norm
         self.method, self.chunk_size = method, chunk_size
         kw = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(hidden_size, key_dim, bias=False, **kw)
@@ -240,63 +234,26 @@ class GatedLinearAttention(Block):
             "use_short_conv": self.use_short_conv, "conv_size": self.conv_size,
         }  # fmt: skip
 
-    def _state_in(self, cache: LayerCache | None) -> LinearAttentionState | None:
-        """The cache's state over ``num_heads`` as the grouped call takes it."""
-        return None if cache is None else grouped_state(cache.recurrent_state, self.num_kv_heads)
-
-    def _inputs(
-        self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None, *, one: bool
-    ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
-        """q, k, v and the log decay per head (``one``: a single token)."""
-        projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
-        conv_state: tuple[torch.Tensor, ...] = ()
-        if self.use_short_conv:
-            states = None if cache is None else cache.conv_state
-            projected, conv_state = convolve(self._convs(), projected, mask, states, one=one)
-        # kv head h serves query heads h * groups ... (h + 1) * groups - 1: q is
-        # (..., num_kv_heads, groups, d), k, v and g (..., num_kv_heads, 1, d), and polylin
-        # broadcasts the size-1 axis (nothing is copied per group)
-        lead = x.shape[:-1]
-        q = projected[0].view(*lead, self.num_kv_heads, self.num_kv_groups, self.head_k_dim)
-        k = projected[1].view(*lead, self.num_kv_heads, 1, self.head_k_dim)
-        v = projected[2].view(*lead, self.num_kv_heads, 1, self.head_v_dim)
-        g = -softplus(-self.gk_proj(x)) / self.gate_logit_normalizer  # logsigmoid
-        if self.clamp_min is not None:
-            g = torch.clamp_min(g, self.clamp_min)
-        g = g.view(*lead, self.num_kv_heads, 1, self.head_k_dim)
-        if self.feature_map is not None:
-            q, k = self.feature_map(q), self.feature_map(k)
-        return [q * self.head_k_dim**-0.5, k, v, g.to(q.dtype)], conv_state
-
-    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        o = o.reshape(*lead, self.num_heads, self.head_v_dim)  # the groups back into heads
-        if self.fuse_norm_and_gate:
-            gate = self.g_proj(x).view(*lead, self.num_heads, self.head_v_dim)
-            o = self.g_norm_swish_gate(o, gate).reshape(*lead, self.value_dim)
-        else:
-            o = self.g_norm(o).reshape(*lead, self.value_dim)
-            if self.use_output_gate:
-                o = o * _GATE_FNS[self.gate_fn](self.g_proj(x))
-        return self.o_proj(o)
+    def _options(self) -> dict[str, Any]:
+        """The block function's options that the parameters' shapes do not give."""
+        return {
+            "num_heads": self.num_heads, "feature_map": self.feature_map,
+            "gate_fn": self.gate_fn, "fuse_norm": self.fuse_norm, "norm_eps": self.norm_eps,
+            "gate_logit_normalizer": self.gate_logit_normalizer, "clamp_min": self.clamp_min,
+            "method": self.method, "chunk_size": self.chunk_size,
+        }  # fmt: skip
 
     def _sequence(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
-    ) -> tuple[torch.Tensor, LayerCache]:
-        (q, k, v, g), conv_state = self._inputs(x, mask, cache, one=False)
-        o, state = causal_linear_attention(
-            q, k, v, identity, method=self.method, chunk_size=self.chunk_size,
-            initial_state=self._state_in(cache), return_state=True, attention_mask=mask,
-            seq_axis=1, log_decay=g, normalize=False,
+    ) -> tuple[torch.Tensor, tuple[Any, Any]]:
+        return gated_linear_attention(
+            self._params(), x, attention_mask=mask, cache=cache, return_cache=True,
+            **self._options(),
         )  # fmt: skip
-        return self._output(o, x), LayerCache(conv_state, heads_state(state))
 
     def _token(
         self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
-    ) -> tuple[torch.Tensor, LayerCache]:
-        (q, k, v, g), conv_state = self._inputs(x_t, mask, cache, one=True)
-        o, state = attention_step(
-            q, k, v, self._state_in(cache), identity, attention_mask=mask, log_decay=g,
-            normalize=False,
-        )  # fmt: skip
-        return self._output(o, x_t), LayerCache(conv_state, heads_state(state))
+    ) -> tuple[torch.Tensor, tuple[Any, Any]]:
+        return gated_linear_attention_step(
+            self._params(), x_t, cache, attention_mask=mask, **self._options()
+        )

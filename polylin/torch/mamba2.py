@@ -10,20 +10,8 @@ import torch
 from torch import nn
 
 from .. import DEFAULT_CHUNK_SIZE, LinearAttentionState
-from ..activations import silu, softplus
-from ..attention import causal_linear_attention
-from ..decoding import step as attention_step
-from ..feature_maps import identity
-from ._blocks import (
-    Block,
-    LayerCache,
-    RMSNorm,
-    ShortConvolution,
-    grouped_state,
-    heads_state,
-    inverse_softplus_dt,
-    positive_int,
-)
+from ..blocks import mamba2, mamba2_step
+from ._blocks import Block, LayerCache, RMSNorm, ShortConvolution, inverse_softplus_dt, positive_int
 
 __all__ = ["Mamba2"]
 
@@ -65,6 +53,9 @@ class Mamba2(Block):
 
     Options and parameter names are those of ``fla.layers.Mamba2`` (and of transformers'
     ``Mamba2Mixer``); a state dict of either loads by name.
+
+    The computation is :func:`polylin.blocks.mamba2` (and its step) on the module's
+    parameters.
 
     Parameters
     ----------
@@ -241,45 +232,6 @@ class Mamba2(Block):
             f"n_groups={self.n_groups}, method={self.method!r}"
         )
 
-    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``z``, ``xBC`` and ``dt`` from the in-projection."""
-        sizes = [self.intermediate_size, self.conv_dim, self.num_heads]
-        z, xBC, dt = torch.split(self.in_proj(x), sizes, dim=-1)
-        return z, xBC, dt
-
-    def _ssm_inputs(
-        self, xBC: torch.Tensor, dt: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q = C``, ``k = B``, ``v = dt x``, the log decay ``dt A`` and ``x`` per head.
-
-        Head ``h`` reads group ``h // (num_heads // n_groups)``: ``v`` and the log decay are
-        ``(..., n_groups, heads per group, d)``, ``B`` and ``C`` ``(..., n_groups, 1,
-        state_size)``, and polylin broadcasts the size-1 axis (nothing is copied per head).
-        """
-        lead = xBC.shape[:-1]
-        groups = self.n_groups * self.ssm_state_size
-        sizes = [self.intermediate_size, groups, groups]
-        x, B, C = torch.split(xBC, sizes, dim=-1)
-        per_group = self.num_heads // self.n_groups
-        x = x.reshape(*lead, self.n_groups, per_group, self.head_dim)
-        B, C = (t.reshape(*lead, self.n_groups, 1, self.ssm_state_size) for t in (B, C))
-        dt = softplus(dt + self.dt_bias)
-        low, high = self.dt_limit
-        if low > 0.0 or high < math.inf:
-            dt = torch.clamp(dt, low, high)
-        log_decay = (-torch.exp(self.A_log) * dt).to(x.dtype)
-        log_decay, dt = (t.reshape(*lead, self.n_groups, per_group, 1) for t in (log_decay, dt))
-        v = x * dt.to(x.dtype)
-        return C, B, v, log_decay, x
-
-    def _output(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """``y`` and ``x`` are ``(..., n_groups, heads per group, head_dim)``."""
-        per_group = self.num_heads // self.n_groups
-        D = self.D.view(self.n_groups, per_group, -1)  # (.., 1) without D_has_hdim
-        y = (y + x * D).reshape(*z.shape)
-        y = self.norm(y, z) if self.rmsnorm else y * silu(z)
-        return self.out_proj(y)
-
     def _convs(self) -> list[ShortConvolution]:
         return [self.conv1d]
 
@@ -290,33 +242,23 @@ class Mamba2(Block):
             "conv_kernel": self.conv_kernel_size,
         }  # fmt: skip
 
-    def _state_in(self, cache: LayerCache | None) -> LinearAttentionState | None:
-        """The cache's state over ``num_heads`` as the grouped call takes it."""
-        return None if cache is None else grouped_state(cache.recurrent_state, self.n_groups)
+    def _options(self) -> dict[str, Any]:
+        """The block function's options that the parameters' shapes do not give."""
+        return {
+            "n_groups": self.n_groups, "norm_before_gate": self.norm_before_gate,
+            "dt_limit": self.dt_limit, "norm_eps": self.norm_eps, "method": self.method,
+            "chunk_size": self.chunk_size,
+        }  # fmt: skip
 
     def _sequence(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
-    ) -> tuple[torch.Tensor, LayerCache]:
-        z, xBC, dt = self._split(x)
-        conv_state = None if cache is None else cache.conv_state[0]
-        xBC, conv_state = self.conv1d(xBC, mask, conv_state, True)
-        q, k, v, log_decay, xs = self._ssm_inputs(xBC, dt)
-        y, state = causal_linear_attention(
-            q, k, v, identity, method=self.method, chunk_size=self.chunk_size,
-            initial_state=self._state_in(cache), return_state=True, attention_mask=mask,
-            seq_axis=1, log_decay=log_decay, normalize=False,
+    ) -> tuple[torch.Tensor, tuple[Any, Any]]:
+        return mamba2(
+            self._params(), x, attention_mask=mask, cache=cache, return_cache=True,
+            **self._options(),
         )  # fmt: skip
-        return self._output(y, xs, z), LayerCache((conv_state,), heads_state(state))
 
     def _token(
         self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
-    ) -> tuple[torch.Tensor, LayerCache]:
-        z, xBC, dt = self._split(x_t)
-        conv_state = None if cache is None else cache.conv_state[0]
-        xBC, conv_state = self.conv1d.step(xBC, conv_state, mask)
-        q, k, v, log_decay, xs = self._ssm_inputs(xBC, dt)
-        y, state = attention_step(
-            q, k, v, self._state_in(cache), identity, attention_mask=mask,
-            log_decay=log_decay, normalize=False,
-        )  # fmt: skip
-        return self._output(y, xs, z), LayerCache((conv_state,), heads_state(state))
+    ) -> tuple[torch.Tensor, tuple[Any, Any]]:
+        return mamba2_step(self._params(), x_t, cache, attention_mask=mask, **self._options())
