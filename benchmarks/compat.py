@@ -81,7 +81,72 @@ def models(hidden: int, layers: int) -> dict[str, Callable[[], Any]]:
         )  # fmt: skip
         return transformers.KimiLinearForCausalLM(config)
 
-    return {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear}
+    return {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear, **ssd_models(hidden, layers)}
+
+
+def ssd_models(hidden: int, layers: int) -> dict[str, Callable[[], Any]]:
+    """The Mamba-2 (SSD) families at ``hidden`` size: ``expand`` 2, heads of 64, state 128,
+    one group of B and C (NemotronH: 8, its config's), each config's own chunk size; the hybrids
+    with one attention layer last (FalconH1's layers run attention and SSM side by side)."""
+    import transformers
+
+    heads, attention = 2 * hidden // 64, max(1, hidden // 128)
+    last = layers - 1
+    mamba = {
+        "mamba_n_heads": heads, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
+    }  # fmt: skip
+    hybrid = {"vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+              "num_attention_heads": attention, "num_key_value_heads": attention}  # fmt: skip
+
+    def mamba2() -> Any:
+        config = transformers.Mamba2Config(
+            vocab_size=VOCAB, hidden_size=hidden, num_heads=heads, head_dim=64, state_size=128,
+            n_groups=1, num_hidden_layers=layers, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        return transformers.Mamba2ForCausalLM(config)
+
+    def bamba() -> Any:
+        config = transformers.BambaConfig(
+            num_hidden_layers=layers, attn_layer_indices=[last], **hybrid, **mamba
+        )
+        return transformers.BambaForCausalLM(config)
+
+    def granitemoehybrid() -> Any:
+        config = transformers.GraniteMoeHybridConfig(
+            num_hidden_layers=layers, layer_types=["mamba"] * last + ["attention"],
+            num_local_experts=4,
+            num_experts_per_tok=2, shared_intermediate_size=hidden, **hybrid, **mamba,
+        )  # fmt: skip
+        return transformers.GraniteMoeHybridForCausalLM(config)
+
+    def falcon_h1() -> Any:
+        config = transformers.FalconH1Config(
+            num_hidden_layers=layers, mamba_d_ssm=2 * hidden, mamba_rms_norm=True,
+            **hybrid, **mamba,
+        )  # fmt: skip
+        return transformers.FalconH1ForCausalLM(config)
+
+    def nemotron_h() -> Any:
+        config = transformers.NemotronHConfig(
+            layers_block_type=["mamba"] * last + ["attention"], head_dim=64,
+            mamba_num_heads=heads, mamba_head_dim=64, n_groups=min(8, heads), ssm_state_size=128,
+            **hybrid,
+        )  # fmt: skip
+        return transformers.NemotronHForCausalLM(config)
+
+    def zamba2() -> Any:
+        config = transformers.Zamba2Config(
+            vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+            layers_block_type=["mamba"] * last + ["hybrid"], mamba_d_state=128,
+            mamba_ngroups=1, n_mamba_heads=heads, mamba_headdim=64,
+            num_attention_heads=attention, intermediate_size=2 * hidden,
+        )  # fmt: skip
+        return transformers.Zamba2ForCausalLM(config)
+
+    return {
+        "mamba2": mamba2, "bamba": bamba, "granitemoehybrid": granitemoehybrid,
+        "falcon_h1": falcon_h1, "nemotron_h": nemotron_h, "zamba2": zamba2,
+    }  # fmt: skip
 
 
 def alternate(
@@ -104,6 +169,9 @@ def alternate(
 
 MEASUREMENTS = ("prefill", "decode", "train", "bound")
 
+#: The Mamba-2 (SSD) families (:func:`ssd_models`).
+SSD_MODELS = ("mamba2", "bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "zamba2")
+
 
 def no_time_kernel(query: Any, key: Any, value: Any, g: Any, beta: Any, **options: Any) -> Any:
     """A stand-in for a chunked kernel (transformers' signature) that takes next to no time.
@@ -125,6 +193,7 @@ def with_no_time_kernel(model: Any) -> Any:
     """``model`` (converted in place) with its linear-attention layers' chunked kernel
     replaced by :func:`no_time_kernel` (the recurrent one, for decoding, is left as it is)."""
     from polylin.compat.transformers import LAYER_CLASSES
+    from polylin.compat.transformers._mamba2 import KERNELS as SSD_KERNELS
     from polylin.compat.transformers._rebind import rebind
 
     for layer in model.modules():
@@ -132,7 +201,26 @@ def with_no_time_kernel(model: Any) -> Any:
         if conversion is not None and conversion.kernels:
             chunked = {name: no_time_kernel for name in conversion.kernels if "chunk" in name}
             layer.forward = types.MethodType(rebind(type(layer).forward, chunked), layer)
+        elif conversion is not None and conversion.family == "Mamba-2":
+            # transformers' pure-PyTorch kernels, the chunked scan replaced
+            module = sys.modules[type(layer).__module__]
+            kernels = {name: getattr(module, name).__wrapped__ for name in SSD_KERNELS}
+            kernels["mamba2_chunk_scan"] = no_time_scan
+            layer.forward = types.MethodType(rebind(type(layer).forward, kernels), layer)
     return model
+
+
+def no_time_scan(
+    hidden_states: Any, dt: Any, A: Any, B: Any, C: Any, *args: Any, **options: Any
+) -> Any:
+    """:func:`no_time_kernel` for the Mamba-2 mixers' chunked scan (``mamba2_chunk_scan``'s
+    signature): ``x dt`` (every input touched), and a zero state."""
+    touch = (A.sum() + B.sum() + C.sum()) * 0.0
+    out = hidden_states * dt[..., None] + touch
+    if not options.get("return_final_states"):
+        return out
+    b, _, heads, head_dim = hidden_states.shape
+    return out, hidden_states.new_zeros((b, heads, head_dim, B.shape[-1]))
 
 
 def bench_models(
@@ -384,7 +472,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--parts", nargs="+", default=["models", "ops"], choices=["models", "ops"])
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--models", nargs="+", default=None, choices=["qwen3_next", "kimi_linear"])
+    parser.add_argument(
+        "--models", nargs="+", default=None, choices=["qwen3_next", "kimi_linear", *SSD_MODELS]
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: its)")
     parser.add_argument(
         "--measurements", nargs="+", default=list(MEASUREMENTS), choices=MEASUREMENTS
     )
@@ -399,6 +490,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.hidden, args.layers, args.repeats = [64], 64, 2, 1
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.from_json is not None:
         result = json.loads(args.from_json.read_text())
         write_tables(result, args.markdown)
