@@ -27,7 +27,7 @@ from .._backend.ops import cumulative_sum, l2_normalize
 from .._inputs.defaults import DEFAULT_CHUNK_SIZE
 from ..activations import sigmoid
 from ..dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step
-from ..interop import array_namespace, is_array
+from ..interop import array_namespace, device, is_array
 from ..normalization import group_norm
 from ._init import Draws
 from ._params import BlockCache, linear, padding_mask, param
@@ -187,10 +187,11 @@ def _heads(xp: Any, t: Any, sizes: RWKV7Sizes, size: int) -> Any:
 
 def _normalize(xp: Any, x: Any, fuse_norm: bool) -> Any:
     """``kk``: fla's ``l2_norm`` (``fuse_norm``) or ``F.normalize``, ``x / max(|x|, 1e-12)``
-    (as ``x / sqrt(max(|x|^2, 1e-24))``: finite gradients at a zero vector)."""
+    (as ``x / sqrt(max(|x|^2, 1e-24))``, by selection: finite gradients at a zero vector)."""
     if fuse_norm:
         return l2_normalize(xp, x)
-    return x / xp.sqrt(xp.maximum(xp.sum(x * x, axis=-1, keepdims=True), 1e-24))
+    squares = xp.sum(x * x, axis=-1, keepdims=True)
+    return x / xp.sqrt(xp.where(squares > 1e-24, squares, 1e-24))
 
 
 class _Mixed(NamedTuple):
@@ -211,9 +212,7 @@ def _time_mix(
     (``x``'s shape without hidden_size, or ``None``) selects the real tokens."""
     xp = array_namespace(x)
     delta = prev - x
-    mix = {
-        n: x + delta * xp.reshape(params[f"x_{n}"], (sizes.hidden_size,)) for n in "rwkvag"
-    }
+    mix = {n: x + delta * xp.reshape(params[f"x_{n}"], (sizes.hidden_size,)) for n in "rwkvag"}
     r = linear(params, mix["r"], "r_proj")
     w = -DECAY_SCALE * sigmoid(_lora(params, mix["w"], "w_lora", xp.tanh))
     k = linear(params, mix["k"], "k_proj")
@@ -256,7 +255,7 @@ def _shift(xp: Any, x: Any, keep: Any, state: Any) -> tuple[Any, Any]:
     T = x.shape[1]
     if keep is None:
         return ext[:, :T, :], ext[:, T:, :]
-    ones = xp.ones((x.shape[0], 1), dtype=xp.bool, device=keep.device)
+    ones = xp.ones((x.shape[0], 1), dtype=xp.bool, device=device(keep))
     ext_keep = xp.concat([ones, keep], axis=1)
     rank = cumulative_sum(xp, xp.astype(ext_keep, xp.int32), axis=1)
     last = ext_keep & (rank == rank[:, -1:])  # one True per row: its last real token
@@ -364,7 +363,7 @@ def rwkv7(
         x = xp.where(mask[..., None], x, 0.0)
     state = cache.conv_state[0] if cache is not None else None
     if state is None:
-        state = xp.zeros((x.shape[0], 1, sizes.hidden_size), dtype=x.dtype, device=x.device)
+        state = xp.zeros((x.shape[0], 1, sizes.hidden_size), dtype=x.dtype, device=device(x))
     prev, shift_state = _shift(xp, x, mask, state)
     m = _time_mix(params, x, prev, sizes, v_first, mask)
     o, S = dplr_delta_rule(
@@ -435,7 +434,7 @@ def rwkv7_step(
     if mask is not None:
         x_t = xp.where(mask[:, None], x_t, 0.0)
     if cache is None:
-        prev = xp.zeros(x_t.shape, dtype=x_t.dtype, device=x_t.device)
+        prev = xp.zeros(x_t.shape, dtype=x_t.dtype, device=device(x_t))
         S0 = None
     else:
         prev, S0 = cache.conv_state[0][:, 0, :], cache.recurrent_state
