@@ -308,3 +308,20 @@ def test_only_the_given_model_changes():
     del converted.forward  # undoes it
     assert "forward" not in vars(converted)
     assert converted.forward.__func__ is type(converted).forward
+
+
+def test_bfloat16_model_is_as_close_as_the_fallback():
+    """A bfloat16 model: the scan in float32 (as transformers' fallback runs it), the logits as
+    close to the float32 model's as the fallback's are, and the same greedy tokens."""
+    torch.manual_seed(0)
+    exact = bamba().float().eval()
+    reference = use_transformers_fallback(copy.deepcopy(exact).to(torch.bfloat16))
+    model = use_polylin(copy.deepcopy(reference))
+    ids = tokens(2, 37, seed=7)
+    with torch.no_grad():
+        want = exact(ids).logits
+        errors = [relative(m(ids).logits.float(), want) for m in (reference, model)]
+        options = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+        same = torch.equal(reference.generate(ids, **options), model.generate(ids, **options))
+    assert errors[1] <= 2 * errors[0] and errors[1] < 0.05
+    assert same
