@@ -103,7 +103,10 @@ def assert_cache(to_numpy, cache, want) -> None:
         assert_close(to_numpy(mine), theirs.detach().numpy())
 
 
-@pytest.mark.slow_grid(cover=("name",))
+# JAX compiles each operation of an eager block for each new shape (about 15 s of CPU a case
+# here): one case in ``make test``, the others in ``make test-slow``; test_jax_jit_and_grad_are_
+# torchs runs both blocks under jit.
+@pytest.mark.slow_grid(prefer={"name": "gla-conv-mqa-sigmoid"})
 @pytest.mark.parametrize("name", sorted(BLOCKS))
 def test_block_is_the_torch_module(backend, name, rng):
     """A sequence and its cache, then prefill and steps, against the module's."""

@@ -120,7 +120,7 @@ def _check_cache(plan: Plan, cache: Any, x: Any) -> None:
             f"{plan.num_convs}: it was made by another block"
         )
     S = state[0] if isinstance(state, tuple) and len(state) == 2 else None
-    if not is_array(S) or S.ndim != 4 or S.shape[1] != plan.heads:
+    if S is None or not is_array(S) or S.ndim != 4 or S.shape[1] != plan.heads:
         raise ValueError(
             f"{block}: the cache's recurrent state must be a LinearAttentionState (S, z) with S "
             f"of shape (batch, {plan.heads}, d_k, d_v): it was made by another block"
@@ -132,14 +132,14 @@ def _check_cache(plan: Plan, cache: Any, x: Any) -> None:
         )
 
 
-def _grouped_state(xp: Any, cache: BlockCache | None, shared: int) -> tuple[Any, Any] | None:
+def _grouped_state(xp: Any, cache: BlockCache | None, shared: int) -> LinearAttentionState | None:
     """The cache's state over ``(batch, heads, ...)`` as ``(batch, shared, heads // shared,
     ...)`` (head ``h`` in group ``h // (heads // shared)``)."""
     if cache is None:
         return None
     S, z = cache.recurrent_state
     per_group = S.shape[1] // shared
-    return (
+    return LinearAttentionState(
         xp.reshape(S, (S.shape[0], shared, per_group, *S.shape[2:])),
         xp.reshape(z, (z.shape[0], shared, per_group, *z.shape[2:])),
     )

@@ -11,7 +11,7 @@ from torch import nn
 from .. import DEFAULT_CHUNK_SIZE, LinearAttentionState
 from ..attention import METHODS
 from ..blocks import gated_linear_attention, gated_linear_attention_step
-from ._blocks import Block, LayerCache, RMSNorm, ShortConvolution, positive_int
+from ._blocks import Block, RMSNorm, ShortConvolution, positive_int
 
 __all__ = ["GatedLinearAttention"]
 
@@ -244,7 +244,7 @@ class GatedLinearAttention(Block):
         }  # fmt: skip
 
     def _sequence(
-        self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: Any
     ) -> tuple[torch.Tensor, tuple[Any, Any]]:
         return gated_linear_attention(
             self._params(), x, attention_mask=mask, cache=cache, return_cache=True,
@@ -252,7 +252,7 @@ class GatedLinearAttention(Block):
         )  # fmt: skip
 
     def _token(
-        self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
+        self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: Any
     ) -> tuple[torch.Tensor, tuple[Any, Any]]:
         return gated_linear_attention_step(
             self._params(), x_t, cache, attention_mask=mask, **self._options()

@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import DEFAULT_CHUNK_SIZE, LinearAttentionState
 from ..blocks import mamba2, mamba2_step
-from ._blocks import Block, LayerCache, RMSNorm, ShortConvolution, inverse_softplus_dt, positive_int
+from ._blocks import Block, RMSNorm, ShortConvolution, inverse_softplus_dt, positive_int
 
 __all__ = ["Mamba2"]
 
@@ -251,7 +251,7 @@ class Mamba2(Block):
         }  # fmt: skip
 
     def _sequence(
-        self, x: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: Any
     ) -> tuple[torch.Tensor, tuple[Any, Any]]:
         return mamba2(
             self._params(), x, attention_mask=mask, cache=cache, return_cache=True,
@@ -259,6 +259,6 @@ class Mamba2(Block):
         )  # fmt: skip
 
     def _token(
-        self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None
+        self, x_t: torch.Tensor, mask: torch.Tensor | None, cache: Any
     ) -> tuple[torch.Tensor, tuple[Any, Any]]:
         return mamba2_step(self._params(), x_t, cache, attention_mask=mask, **self._options())
