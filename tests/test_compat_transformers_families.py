@@ -125,8 +125,9 @@ def bailing_hybrid() -> Any:
 
 
 def glm5_next() -> Any:
-    """The text model (transformers has GLM5-next as a vision-language model only)."""
-    config = transformers.Glm5NextTextConfig(
+    """GLM5-next is a vision-language model in transformers: a tiny vision tower beside it, and
+    its special tokens outside the vocabulary the tests draw from."""
+    text = transformers.Glm5NextTextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
         num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=0,
@@ -134,7 +135,17 @@ def glm5_next() -> Any:
         index_n_heads=2, linear_head_dim=16, linear_num_heads=4, hc_mult=2, pad_token_id=0,
         layer_types=HYBRID,
     )  # fmt: skip
-    return transformers.Glm5NextTextModel(config)
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 32,
+              "out_hidden_size": 64, "projection_intermediate_size": 32}  # fmt: skip
+    special = dict(zip(SPECIAL, range(VOCAB, VOCAB + len(SPECIAL)), strict=True))
+    config = transformers.Glm5NextConfig(
+        text_config=text.to_dict(), vision_config=vision, **special
+    )
+    return transformers.Glm5NextForConditionalGeneration(config)
+
+
+SPECIAL = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+           "video_start_token_id", "video_end_token_id")  # fmt: skip
 
 
 MODELS: dict[str, Callable[[], Any]] = {
@@ -159,8 +170,7 @@ def tokens(batch: int, length: int, seed: int = 1) -> Any:
 
 
 def outputs(model: Any, ids: Any, **options: Any) -> Any:
-    out = model(ids, **options)
-    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+    return model(ids, **options).logits
 
 
 def relative(a: Any, b: Any) -> float:
@@ -210,43 +220,36 @@ def test_left_padded_batch(pair):
 
 
 def test_loss_gradients_agree(pair):
-    """Every parameter's gradient (float32 both ways): within 1e-4 relative, or 1e-6 of the
-    largest gradient in the model for gradients that are round-off themselves."""
+    """Every parameter's gradient (float32 both ways; transformers' delta-rule fallbacks
+    compute in float32 whatever the model dtype): within 1e-4 relative, as the logits are
+    compared (the largest difference over the largest entry, per parameter), or 1e-6 of the
+    largest gradient in the model for gradients that are round-off themselves (the first
+    layer's gates: 1e-7, sums of far larger terms)."""
     reference, model = pair
     ids = tokens(2, 45, seed=2)
     grads = []
     for m in (reference, model):
         m.zero_grad()
-        out = outputs(m, ids)
-        out.square().mean().backward()  # any scalar of every output: the text models have no loss
+        m(ids, labels=ids).loss.backward()
         grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
     want, got = grads
     assert want.keys() == got.keys() and len(want) > 10
     largest = max(float(g.abs().max()) for g in want.values())
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6 * largest, msg=name)
+    for name, g in want.items():
+        scale = max(float(g.abs().max()), 1e-2 * largest)
+        assert float((got[name] - g).abs().max()) <= 1e-4 * scale, name
     # the converted layers' own parameters get gradients
     layers = [n for n, m in model.named_modules() if type(m).__name__ in LAYER_CLASSES]
     assert any(n.startswith(f"{layer}.") for layer in layers for n in got)
 
 
 def cached_decode(model: Any, ids: Any, steps: int) -> tuple[Any, Any]:
-    """Greedy generation with the model's cache: the tokens and the logits of every step
-    (``generate``), or for a model without a head (GLM5-next's text model) the tokens given and
-    the cached outputs of each, one token at a time."""
-    if hasattr(model, "generate"):
-        options = {"max_new_tokens": steps, "do_sample": False, "use_cache": True}
-        out = model.generate(
-            ids, pad_token_id=0, return_dict_in_generate=True, output_logits=True, **options
-        )
-        return out.sequences, torch.stack(out.logits, dim=1)
-    out = model(ids[:, :-steps], use_cache=True)
-    cache, seen = out.past_key_values, [out.last_hidden_state[:, -1]]
-    for t in range(ids.shape[1] - steps, ids.shape[1]):
-        out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        seen.append(out.last_hidden_state[:, -1])
-    return ids, torch.stack(seen, dim=1)
+    """Greedy generation with the model's cache: the tokens and every step's logits."""
+    out = model.generate(
+        ids, max_new_tokens=steps, do_sample=False, use_cache=True, pad_token_id=0,
+        return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    return out.sequences, torch.stack(out.logits, dim=1)
 
 
 def test_greedy_generation_with_the_cache(pair):
@@ -259,7 +262,7 @@ def test_greedy_generation_with_the_cache(pair):
             cached_decode(reference, ids, 5),
             cached_decode(model, ids, 5),
         )
-    assert want_ids.shape in ((2, 16), (2, 11)) and want.shape[1] in (5, 6)
+    assert want_ids.shape == (2, 16) and want.shape[1] == 5
     assert torch.equal(got_ids, want_ids)
     assert relative(got, want) <= 1e-5
 
