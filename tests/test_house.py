@@ -2,8 +2,8 @@
 
 Floors, from the ground up: ``_backend`` (namespace, device, native ops, execution questions),
 ``_forms`` (the math of each family), ``_inputs`` (everything between the caller and the math),
-the public building blocks and faces; the outer rings ``torch``, ``compat`` (and the tools
-``testing``, ``__main__``) on top. Each import is read where it is written, at module level or
+the public building blocks and faces; the outer rings ``torch``, ``flax``, ``compat`` (and the
+tools ``testing``, ``__main__``) on top. Each import is read where it is written, at module level or
 inside a function, ``if TYPE_CHECKING:`` included: a cycle that only type checkers see is still
 a cycle for the reader.
 """
@@ -19,7 +19,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "polylin"
 
 #: The rings above the core: they may use polylin's public names only.
-OUTER = ("torch", "compat")
+OUTER = ("torch", "flax", "compat")
 #: Tools of the library that sit beside the outer rings (they may import any floor).
 TOOLS = ("testing", "__main__")
 #: What each floor of the core may import from polylin (its own floor always).
@@ -34,7 +34,7 @@ FLOORS = {
 }
 #: Array libraries: the core imports none (rule 1 of ARCHITECTURE.md), except the PyTorch
 #: autograd registration the ground floor reaches for tensors of an already imported torch.
-ARRAY_LIBRARIES = {"numpy", "torch", "cupy", "jax", "jaxlib", "dask", "array_api_strict"}
+ARRAY_LIBRARIES = {"numpy", "torch", "cupy", "jax", "jaxlib", "flax", "dask", "array_api_strict"}
 LIBRARY_REGISTRATIONS = {"_backend.torch_autograd"}
 MAX_MODULE_LINES = 800
 MAX_FUNCTION_LINES = 150
