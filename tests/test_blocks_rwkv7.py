@@ -235,8 +235,15 @@ def test_module_loads_flas_state_dict_names():
     shapes = {n: tuple(p.shape) for n, p in module.state_dict().items()}
     loras = {"w": (32, 32, 32), "v": (32, 48, 32), "a": (32, 32, 32), "g": (32, 48, 32)}
     want = {f"x_{n}": (1, 1, 32) for n in "rwkvag"}
-    want |= {"k_k": (32,), "k_a": (32,), "r_k": (4, 8), "r_proj.weight": (32, 32),
-             "k_proj.weight": (32, 32), "v_proj.weight": (48, 32), "o_proj.weight": (32, 48)}
+    want |= {
+        "k_k": (32,),
+        "k_a": (32,),
+        "r_k": (4, 8),
+        "r_proj.weight": (32, 32),
+        "k_proj.weight": (32, 32),
+        "v_proj.weight": (48, 32),
+        "o_proj.weight": (32, 48),
+    }
     for n, (rank, out, inp) in loras.items():
         want[f"{n}_lora.lora.0.weight"] = (rank, inp)
         want[f"{n}_lora.lora.2.weight"] = (out, rank)
@@ -397,7 +404,7 @@ def test_initializer_is_flas(rng):
     for name, gain in (("r_proj", 1.0), ("k_proj", 0.1), ("v_proj", 1.0)):
         w = params[f"{name}.weight"].astype(np.float64)
         np.testing.assert_allclose(w @ w.T, gain**2 * np.eye(32), atol=1e-5)
-    for name, rank, out in (("w", 8, 32), ("v", 5, 32), ("a", 6, 32), ("g", 12, 32)):
+    for name, rank in (("w", 8), ("v", 5), ("a", 6), ("g", 12)):
         assert np.all(params[f"{name}_lora.lora.0.weight"] == 0)
         w = params[f"{name}_lora.lora.2.weight"].astype(np.float64)  # (out, rank), rank < out
         np.testing.assert_allclose(w.T @ w, 0.01 * np.eye(rank), atol=1e-6)
@@ -435,8 +442,20 @@ def test_bad_options_and_inputs_say_what_is_wrong(rng):
     with pytest.raises(ValueError, match="one token-shift state, got 3"):
         rwkv7_step(params, x[:, 0], other, v_first=v_first[:, 0], **call)
     # the implied options, when right, are accepted; fla's own keywords among them
-    y = rwkv7(params, x, v_first=v_first, hidden_size=HIDDEN, head_dim=HEAD_DIM, num_heads=99,
-              value_dim=24, layer_idx=1, num_hidden_layers=5, mode="chunk", **LORA, **call)
+    y = rwkv7(
+        params,
+        x,
+        v_first=v_first,
+        hidden_size=HIDDEN,
+        head_dim=HEAD_DIM,
+        num_heads=99,
+        value_dim=24,
+        layer_idx=1,
+        num_hidden_layers=5,
+        mode="chunk",
+        **LORA,
+        **call,
+    )
     assert_close(y, rwkv7(params, x, v_first=v_first, **call))  # fmt: skip
     module, _, _ = make("later")
     _, cache = make("first")[0](torch.from_numpy(x), return_cache=True)

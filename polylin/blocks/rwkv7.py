@@ -147,11 +147,11 @@ def _check_cache(cache: Any, x: Any, sizes: RWKV7Sizes) -> None:
             f"{BLOCK}: the cache's token-shift state must have shape (batch, 1, hidden_size) "
             f"= {want}, got {getattr(shift[0], 'shape', type(shift[0]).__name__)}"
         )
-    want = (batch, sizes.num_heads, sizes.head_dim, sizes.head_v_dim)
-    if not is_array(S) or tuple(S.shape) != want:
+    state = (batch, sizes.num_heads, sizes.head_dim, sizes.head_v_dim)
+    if not is_array(S) or tuple(S.shape) != state:
         raise ValueError(
             f"{BLOCK}: the cache's recurrent state must have shape (batch, num_heads, "
-            f"head_dim, head_v_dim) = {want}, got {getattr(S, 'shape', type(S).__name__)}"
+            f"head_dim, head_v_dim) = {state}, got {getattr(S, 'shape', type(S).__name__)}"
         )
 
 
@@ -339,8 +339,8 @@ def rwkv7(
     --------
     >>> import numpy as np
     >>> from polylin.blocks import init_rwkv7, rwkv7, rwkv7_step
-    >>> first = init_rwkv7(np, hidden_size=32, head_dim=8, layer_idx=0, num_hidden_layers=2)
-    >>> second = init_rwkv7(np, hidden_size=32, head_dim=8, layer_idx=1, num_hidden_layers=2)
+    >>> first = init_rwkv7(np, hidden_size=32, head_dim=8, layer_idx=0)
+    >>> second = init_rwkv7(np, hidden_size=32, head_dim=8, layer_idx=1, seed=1)
     >>> x = np.random.default_rng(0).standard_normal((2, 10, 32)).astype(np.float32)
     >>> h, v_first = rwkv7(first, x, return_v_first=True)
     >>> y = rwkv7(second, x + h, v_first=v_first)
@@ -600,9 +600,9 @@ def _depth_init(
         )
 
     out: dict[str, Any] = {}
-    for n, power in zip("rwkvag", (0.2, 0.9, 0.7, 0.7, 0.9, 0.2)):
+    for c, power in zip("rwkvag", (0.2, 0.9, 0.7, 0.7, 0.9, 0.2)):
         exponent = power * ratio_1_to_almost0
-        out[f"x_{n}"] = vector([1.0 - d**exponent for d in ddd], (1, 1, hidden))
+        out[f"x_{c}"] = vector([1.0 - d**exponent for d in ddd], (1, 1, hidden))
     out["k_a"] = vector([1.02] * hidden)
     out["r_k"] = vector([-0.04] * hidden, (hidden // head_dim, head_dim))
     out["k_k"] = vector([0.71 - x * 0.1 for x in linear])

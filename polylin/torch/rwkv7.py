@@ -73,7 +73,7 @@ class RWKV7Attention(nn.Module):
         The layer's depth: layer 0 has no ``v_lora`` and makes ``v_first``; with
         ``num_hidden_layers``, fla's depth-dependent initialization.
     fuse_norm : bool
-        fla's fused kernels' ``kk`` normalization, ``x / sqrt(|x|^2 + 1e-6)``, instead of
+        Normalize ``kk`` as fla's fused kernels do, ``x / sqrt(|x|^2 + 1e-6)``, instead of
         ``F.normalize``'s ``x / max(|x|, 1e-12)``.
     value_dim : int, optional
         Default ``hidden_size``.
@@ -288,9 +288,11 @@ class RWKV7Attention(nn.Module):
         check_dtype(x, "x", self)
         self._check_cache(cache)
         mask = padding_mask(attention_mask, tuple(x.shape[:2]))
+        block_cache: Any = cache  # a LayerCache is a BlockCache's tuple
         out = rwkv7(
             self._params(), x, v_first=v_first, return_v_first=return_v_first,
-            attention_mask=mask, cache=cache, return_cache=return_cache, **self._options(),
+            attention_mask=mask, cache=block_cache, return_cache=return_cache,
+            **self._options(),
         )  # fmt: skip
         return self._layer_cache(out, return_cache)
 
@@ -348,8 +350,9 @@ class RWKV7Attention(nn.Module):
         check_dtype(x_t, "x_t", self)
         self._check_cache(cache)
         mask = padding_mask(attention_mask, (x_t.shape[0],))
+        block_cache: Any = cache
         out = rwkv7_step(
-            self._params(), x_t, cache, v_first=v_first, return_v_first=return_v_first,
+            self._params(), x_t, block_cache, v_first=v_first, return_v_first=return_v_first,
             attention_mask=mask, **self._options(),
         )  # fmt: skip
         return tuple(self._layer_cache(out, True))
