@@ -189,14 +189,16 @@ def test_prefill_continued_from_the_cache(pair):
     ids = tokens(2, 33, seed=5)
     mamba = type(model).__name__.startswith("Mamba2")
     results = []
-    for m in (reference, model):
+    # transformers both ways, polylin both ways, and a cache of transformers' continued by polylin
+    for first_model, second_model in ((reference, reference), (model, model), (reference, model)):
         with torch.no_grad():
-            first = m(ids[:, :20], use_cache=True)
+            first = first_model(ids[:, :20], use_cache=True)
             cache = first.cache_params if mamba else first.past_key_values
             given = {"cache_params": cache} if mamba else {"past_key_values": cache}
-            results.append(m(ids[:, 20:], use_cache=True, **given).logits)
-    want, got = results
-    assert relative(got, want) <= 1e-5
+            results.append(second_model(ids[:, 20:], use_cache=True, **given).logits)
+    want, *got = results
+    for logits in got:
+        assert relative(logits, want) <= 1e-5
 
 
 def test_loss_gradients_agree(pair):
