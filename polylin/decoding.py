@@ -12,7 +12,7 @@ from ._inputs.defaults import DEFAULT_EPS
 from ._inputs.gates import check_log_decay, check_normalize, log_decay_values
 from ._inputs.prepare import apply_feature_map, finish, map_features, select
 from ._inputs.state import LinearAttentionState
-from ._inputs.steps import PER_CALL, PreparedStep
+from ._inputs.steps import PER_CALL, PlanCache, PreparedStep
 from ._inputs.validation import (
     AttentionInputs,
     check_options,
@@ -110,18 +110,17 @@ def step(
     >>> bool(np.allclose(np.stack(outputs), whole[6:]))
     True
     """
-    plan, mapped = _plan_step(
-        q_t,
-        k_t,
-        v_t,
-        state,
-        attention_mask,
-        log_decay,
-        feature_map=feature_map,
-        eps=eps,
-        normalize=normalize,
+    args = (q_t, k_t, v_t, state, attention_mask, log_decay)
+    plan, mapped = _PLANS.plan(
+        partial(_plan_step, feature_map=feature_map, eps=eps, normalize=normalize),
+        args,
+        (feature_map, eps, normalize),
     )
-    return _run_step(plan, q_t, k_t, v_t, state, attention_mask, log_decay, checked=mapped)
+    return _run_step(plan, *args, checked=mapped)
+
+
+#: :func:`step`'s checks run once per signature of its arguments and options (``_inputs.steps``).
+_PLANS = PlanCache()
 
 
 class _StepPlan(NamedTuple):

@@ -125,3 +125,52 @@ def test_array_blocks_benchmark(tmp_path):
             if m["impl"] == "torch module" and m["block"] == r["block"]
         )
     assert json.loads(out.read_text())["rows"] == report["rows"]
+
+
+def test_ggml_ops_benchmark_polylin_side(tmp_path):
+    """benchmarks/ggml_ops.py at tiny shapes without ggml: every op's polylin call checked
+    against the float64 loop of ggml's semantics, then timed, on both libraries."""
+    from benchmarks import ggml_ops
+
+    out = tmp_path / "ggml.json"
+    report = ggml_ops.main([
+        "--quick", "--skip-ggml", "--passes", "1", "--threads", "1", "--repeats", "1",
+        "--json", str(out),
+    ])  # fmt: skip
+    names = [c.name for c in ggml_ops.cases(quick=True)]
+    assert [(r["case"], r["backend"]) for r in report["rows"]] == [
+        (n, b) for n in names for b in ("numpy", "torch")
+    ]
+    assert {r["op"] for r in report["rows"]} == set(ggml_ops.OPS)
+    assert all(r["error"] <= ggml_ops.TOLERANCE and r["polylin_s"] > 0 for r in report["rows"])
+    assert all("ratio" not in r for r in report["rows"]) and report["goals"] == []
+    assert json.loads(out.read_text())["rows"] == report["rows"]
+
+
+def test_ggml_ops_check_refuses_a_wrong_output(monkeypatch):
+    from benchmarks import ggml_ops
+
+    case = next(c for c in ggml_ops.cases(quick=True) if c.family == "wkv7")
+    reference = ggml_ops.reference
+    monkeypatch.setattr(ggml_ops, "reference", lambda c, x: reference(c, x) * 1.01)
+    with pytest.raises(AssertionError, match="WKV7 2x16 T=24 on numpy"):
+        ggml_ops.time_polylin([case], ["numpy"], 1, 0.1)
+
+
+def test_ggml_ops_parses_perf_lines_and_skips_without_a_compiler(monkeypatch, tmp_path, capsys):
+    from benchmarks import ggml_ops
+
+    text = ("  \x1b[1mGATED_DELTA_NET(type=f32,head_count=16,head_size=64,n_seq_tokens=512,"
+            "n_seqs=1,v_repeat=1,permuted=0,kda=0,K=1)\x1b[0m:   12 runs -  8123.50 us/run - "
+            "  100 kB/run\n  SSM_CONV(type=f32,ne_a=[515,3328,1,1],ne_b=[4,3328,1,1]):  "
+            "626 runs - 7337.51 us/run\n  Backend CPU: OK\n")  # fmt: skip
+    rows = ggml_ops.parse_perf(text)
+    assert [(r["op"], r["runs"]) for r in rows] == [("GATED_DELTA_NET", 12), ("SSM_CONV", 626)]
+    assert rows[0]["seconds"] == pytest.approx(8.1235e-3)
+    cases = {c.name: c for c in ggml_ops.cases()}
+    assert cases["GDN 16x64 T=512"].matches(rows[0])
+    assert not cases["KDA 16x128 T=512"].matches(rows[0])
+    assert cases["conv 3328 T=512"].matches(rows[1]) and not cases["conv 3328 T=1"].matches(rows[1])
+    monkeypatch.setattr(ggml_ops.shutil, "which", lambda name: None)
+    assert ggml_ops.build_ggml(tmp_path / "cache") is None
+    assert "not found: the ggml side is skipped" in capsys.readouterr().err

@@ -23,7 +23,7 @@ from typing import Any
 
 from .._backend.namespace import is_tracer
 
-__all__ = ["PER_CALL", "PreparedStep", "call_signature"]
+__all__ = ["PER_CALL", "PlanCache", "PreparedStep", "call_signature"]
 
 #: In a plan: "this argument is an array, converted at every call" (its signature guarantees
 #: that every call with the plan has an array there too).
@@ -76,6 +76,59 @@ def call_signature(args: tuple) -> Hashable:
     """The signature of a call (positional arguments), or ``None`` where one is unknown."""
     parts = tuple(_signature(x) for x in args)
     return None if None in parts else parts
+
+
+class PlanCache:
+    """The plans of a plain step function, by the signature of its call and its options.
+
+    The plain steps (:func:`~polylin.step`, :func:`~polylin.delta_rule_step`) keep the plans
+    of their last few signatures here, so that a decoding loop written with them is checked in
+    full once per signature, as a :class:`PreparedStep` is, and pays the comparison of the
+    signature after that. A call whose signature or options cannot be keyed (a traced array,
+    an unhashable option, a feature map that is not one of :mod:`polylin.feature_maps`'
+    functions) is checked in full every time. Options are keyed by type and value, so
+    ``scale=1`` and ``scale=True`` are different keys and each is checked.
+    """
+
+    __slots__ = ("_plans", "_size")
+
+    def __init__(self, size: int = 8) -> None:
+        self._plans: dict[Hashable, Any] = {}
+        self._size = size
+
+    def plan(
+        self, plan: Callable[..., tuple[Any, Any]], args: tuple, options: tuple
+    ) -> tuple[Any, Any]:
+        """``plan(*args)``'s ``(plan, checked)``, or ``(the kept plan, None)`` for a call of a
+        signature and options seen before (``plan`` must close over ``options``)."""
+        key = call_signature(args)
+        if key is not None:
+            option_key = tuple(map(_option_signature, options))
+            if None in option_key:
+                key = None
+            else:
+                key = (key, option_key)
+                kept = self._plans.get(key)
+                if kept is not None:
+                    return kept, None
+        made, checked = plan(*args)
+        if key is not None:
+            if len(self._plans) >= self._size:  # the oldest goes first
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = made
+        return made, checked
+
+
+def _option_signature(x: Any) -> Hashable:
+    """An option as a key: its type and value (a feature map of polylin's by identity), or
+    ``None`` where that does not decide the checks."""
+    if x is None or isinstance(x, (bool, str, int, float)):
+        return (type(x), x)
+    if callable(x) and getattr(x, "__module__", None) == "polylin.feature_maps" and (
+        type(x).__name__ == "function"
+    ):
+        return (type(x), x)
+    return None
 
 
 class PreparedStep:
