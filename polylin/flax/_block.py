@@ -211,10 +211,10 @@ class Block(nnx.Module):
         >>> import jax.numpy as jnp
         >>> from polylin.flax import GatedDeltaNet
         >>> layer = GatedDeltaNet(hidden_size=16, num_heads=2, head_dim=4)
-        >>> y_t, cache = layer.step(jnp.ones((3, 16), jnp.float32))  # 3 sequences' 1st token
-        >>> y_t, cache = layer.step(jnp.ones((3, 16), jnp.float32), cache)
+        >>> y_t, cache = layer.step(jnp.ones((2, 16), jnp.float32))  # 2 sequences' 1st token
+        >>> y_t, cache = layer.step(jnp.ones((2, 16), jnp.float32), cache)
         >>> y_t.shape
-        (3, 16)
+        (2, 16)
         """
         x_t = self._input(x_t, "x_t")
         mask = None if attention_mask is None else jnp.asarray(attention_mask)
@@ -313,7 +313,7 @@ class Block(nnx.Module):
         >>> layer = GatedDeltaNet.from_torch_state_dict(
         ...     weights, hidden_size=16, num_heads=2, head_dim=4
         ... )
-        >>> layer(np.ones((1, 3, 16), np.float32)).shape
-        (1, 3, 16)
+        >>> layer(np.ones((2, 6, 16), np.float32)).shape
+        (2, 6, 16)
         """
         return cls(**options, params=state_dict)

@@ -84,21 +84,23 @@ class GatedDeltaNet(Block):
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from polylin.flax import GatedDeltaNet
-    >>> layer = GatedDeltaNet(hidden_size=32, num_heads=2, head_dim=8, rngs=nnx.Rngs(0))
-    >>> x = jax.random.normal(jax.random.key(0), (2, 10, 32), jnp.float32)
+    >>> layer = GatedDeltaNet(hidden_size=16, num_heads=2, head_dim=4, rngs=nnx.Rngs(0))
+    >>> x = jax.random.normal(jax.random.key(0), (2, 6, 16), jnp.float32)
     >>> layer(x).shape
-    (2, 10, 32)
+    (2, 6, 16)
 
     Prefill, then decode token by token: the outputs of one pass over the whole sequence.
 
-    >>> y, cache = layer(x[:, :7], return_cache=True)
-    >>> y_t, cache = layer.step(x[:, 7], cache)
-    >>> bool(jnp.allclose(y_t, layer(x)[:, 7], atol=1e-5))
+    >>> y, cache = layer(x[:, :5], return_cache=True)
+    >>> y_t, cache = layer.step(x[:, 5], cache)
+    >>> bool(jnp.allclose(y_t, layer(x)[:, 5], atol=1e-5))
     True
 
-    Training: ``nnx.grad`` differentiates the parameters by their state-dict names.
+    Training: ``nnx.grad`` (here compiled by ``nnx.jit``) differentiates the parameters, by
+    their state-dict names.
 
-    >>> grads = nnx.grad(lambda layer: (layer(x) ** 2).mean())(layer)
+    >>> loss = lambda layer, x: (layer(x) ** 2).mean()
+    >>> grads = nnx.jit(nnx.grad(loss))(layer, x)
     >>> grads["params"]["A_log"].shape
     (2,)
     """

@@ -86,11 +86,11 @@ class KimiDeltaAttention(Block):
     >>> import jax
     >>> import jax.numpy as jnp
     >>> from polylin.flax import KimiDeltaAttention
-    >>> layer = KimiDeltaAttention(hidden_size=32, num_heads=2, head_dim=8)
-    >>> x = jax.random.normal(jax.random.key(0), (2, 10, 32), jnp.float32)
-    >>> y, cache = layer(x[:, :7], return_cache=True)
-    >>> y_t, cache = layer.step(x[:, 7], cache)
-    >>> bool(jnp.allclose(y_t, layer(x)[:, 7], atol=1e-5))
+    >>> layer = KimiDeltaAttention(hidden_size=16, num_heads=2, head_dim=4)
+    >>> x = jax.random.normal(jax.random.key(0), (2, 6, 16), jnp.float32)
+    >>> y, cache = layer(x[:, :5], return_cache=True)
+    >>> y_t, cache = layer.step(x[:, 5], cache)
+    >>> bool(jnp.allclose(y_t, layer(x)[:, 5], atol=1e-5))
     True
     """
 
