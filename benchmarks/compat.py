@@ -81,7 +81,10 @@ def models(hidden: int, layers: int) -> dict[str, Callable[[], Any]]:
         )  # fmt: skip
         return transformers.KimiLinearForCausalLM(config)
 
-    return {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear, **ssd_models(hidden, layers)}
+    return {
+        "qwen3_next": qwen3_next, "kimi_linear": kimi_linear, **ssd_models(hidden, layers),
+        **other_models(hidden, layers),
+    }  # fmt: skip
 
 
 def ssd_models(hidden: int, layers: int) -> dict[str, Callable[[], Any]]:
@@ -147,6 +150,83 @@ def ssd_models(hidden: int, layers: int) -> dict[str, Callable[[], Any]]:
         "mamba2": mamba2, "bamba": bamba, "granitemoehybrid": granitemoehybrid,
         "falcon_h1": falcon_h1, "nemotron_h": nemotron_h, "zamba2": zamba2,
     }  # fmt: skip
+
+
+def other_models(hidden: int, layers: int) -> dict[str, Callable[[], Any]]:
+    """The lightning, short-convolution, Gated DeltaNet and KDA families at ``hidden`` size:
+    heads of 64, one attention layer third from last (the layers after it: the recurrent kind),
+    each config's own convolution width, MoE blocks of 4 experts (2 per token)."""
+    import transformers
+
+    heads = hidden // 64
+    hybrid = ["linear_attention"] * layers
+    hybrid[-2] = "full_attention"
+    conv = ["conv" if t == "linear_attention" else t for t in hybrid]
+    base = {"vocab_size": VOCAB, "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads}  # fmt: skip
+    delta = {"linear_num_key_heads": max(1, heads // 2), "linear_num_value_heads": heads,
+             "linear_key_head_dim": 64, "linear_value_head_dim": 64}  # fmt: skip
+    kda = {"linear_head_dim": 64, "linear_num_heads": heads}
+    moe = {"num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2}
+    small = {"intermediate_size": 2 * hidden, "num_key_value_heads": max(1, heads // 4)}
+    sliding = {"num_key_value_heads": min(2, heads), "head_dim": 64,
+               "swa_num_attention_heads": heads, "swa_num_key_value_heads": min(2, heads),
+               "swa_head_dim": 64, "sliding_window_size": 512, "d_rel": 16,
+               "rel_extent": 1024, "n_routed_experts": 4, "pad_token_id": 0,
+               "eos_token_id": 2}  # fmt: skip
+    glm_vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 32,
+                  "out_hidden_size": hidden, "projection_intermediate_size": 32}  # fmt: skip
+    glm_special = ("image_token_id", "video_token_id", "image_start_token_id",
+                   "image_end_token_id", "video_start_token_id", "video_end_token_id")  # fmt: skip
+    build = {
+        "minimax": lambda: transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
+            **base, **small, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=hybrid)),
+        "lfm2": lambda: transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+            **base, **small, layer_types=conv)),
+        "lfm2_moe": lambda: transformers.Lfm2MoeForCausalLM(transformers.Lfm2MoeConfig(
+            **base, **small, **moe, num_dense_layers=1, num_experts=4, layer_types=conv)),
+        "lfm3": lambda: transformers.Lfm3ForCausalLM(transformers.Lfm3Config(
+            **base, **small, head_dim=64, layer_types=conv, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)),
+        "inkling": lambda: transformers.InklingForCausalLM(transformers.InklingTextConfig(
+            **base, **moe, **sliding, intermediate_size=2 * hidden, n_shared_experts=1)),
+        "inkling2": lambda: transformers.Inkling2ForCausalLM(transformers.Inkling2TextConfig(
+            **base, **moe, **sliding, unpadded_vocab_size=VOCAB,
+            n_layers_per_attn_res_block=1)),
+        "olmo_hybrid": lambda: transformers.OlmoHybridForCausalLM(transformers.OlmoHybridConfig(
+            **base, **small, **delta, pad_token_id=0, eos_token_id=2, layer_types=hybrid)),
+        "qwen4_exp": lambda: transformers.Qwen4ExpForCausalLM(transformers.Qwen4ExpTextConfig(
+            **base, **delta, **moe, num_key_value_heads=min(2, heads), head_dim=64, num_experts=4,
+            shared_expert_intermediate_size=hidden // 2, hc_count=2, hc_lowrank=32,
+            indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=64, indexer_budget=256,
+            indexer_compress_ratio=4, layer_types=hybrid)),
+        "bailing_hybrid": lambda: transformers.BailingHybridForCausalLM(
+            transformers.BailingHybridConfig(
+                **base, **moe, intermediate_size=2 * hidden, num_key_value_heads=heads,
+                kv_lora_rank=64, qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=32,
+                head_dim=64, n_group=1, topk_group=1, num_local_experts=4,
+                first_k_dense_replace=1, layer_types=hybrid, pad_token_id=0, eos_token_id=2,
+                num_mtp_layers=0)),
+        "glm5_next": lambda: transformers.Glm5NextForConditionalGeneration(
+            transformers.Glm5NextConfig(
+                text_config=transformers.Glm5NextTextConfig(
+                    **base, **kda, **moe, intermediate_size=2 * hidden, num_key_value_heads=heads,
+                    n_routed_experts=4, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=0,
+                    qk_nope_head_dim=64, v_head_dim=64, index_topk=256, index_kpool=16,
+                    index_head_dim=64, index_n_heads=2, hc_mult=2, pad_token_id=0,
+                    layer_types=hybrid).to_dict(),
+                vision_config=glm_vision,
+                **{name: VOCAB + i for i, name in enumerate(glm_special)})),
+    }  # fmt: skip
+    return build
+
+
+#: The families of :func:`other_models`; the first six have no chunked kernel to stand in for
+#: (MiniMax's recurrence is inline, the short convolution is the layer's only kernel): no
+#: "no-time kernel" rows.
+OTHER_MODELS = ("minimax", "lfm2", "lfm2_moe", "lfm3", "inkling", "inkling2", "olmo_hybrid",
+                "qwen4_exp", "bailing_hybrid", "glm5_next")  # fmt: skip
 
 
 def alternate(
@@ -242,7 +322,7 @@ def bench_models(
         model = use_polylin(copy.deepcopy(reference))
         pair = {"transformers": reference, "polylin": model}
         timed = dict(pair)  # prefill and training: also the no-time kernel, in alternation
-        if "bound" in measurements:
+        if "bound" in measurements and name not in OTHER_MODELS[:6]:
             timed["no-time kernel"] = with_no_time_kernel(copy.deepcopy(reference))
         ids = torch.randint(3, VOCAB, (1, lengths[0]), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
@@ -473,8 +553,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", nargs="+", default=["models", "ops"], choices=["models", "ops"])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
-        "--models", nargs="+", default=None, choices=["qwen3_next", "kimi_linear", *SSD_MODELS]
-    )
+        "--models", nargs="+", default=None,
+        choices=["qwen3_next", "kimi_linear", *SSD_MODELS, *OTHER_MODELS],
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: its)")
     parser.add_argument(
         "--measurements", nargs="+", default=list(MEASUREMENTS), choices=MEASUREMENTS
