@@ -132,9 +132,22 @@ def test_demo_prints_one_row_per_dtype_and_method(backend, capsys):
     assert all(float(r[4]) < {"float64": 1e-12, "float32": 1e-5}[r[2]] for r in rows)
 
 
+@pytest.mark.only_backend(Backend.NUMPY)
+def test_demo_runs_the_per_token_method_on_a_prefix(backend, capsys):
+    """The recurrent loop runs the first --recurrent-len tokens, its error taken against the
+    same rows of the reference; the other methods run the whole sequence."""
+    argv = ["demo", "--seq-len", "40", "--recurrent-len", "5", "--repeats", "1"]
+    assert cli.main([*argv, "--backends", "numpy"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    rows = [r for r in rows if r and r[0] == "numpy"]
+    assert {(r[3], int(r[-1])) for r in rows} == {("chunked", 40), ("recurrent", 5),
+                                                  ("quadratic", 40)}  # fmt: skip
+    assert all(float(r[4]) < {"float64": 1e-12, "float32": 1e-5}[r[2]] for r in rows)
+
+
 @pytest.mark.parametrize(
     "argv", [["--seq-len", "0"], ["--dim", "0"], ["--batch", "-1"], ["--repeats", "0"],
-             ["--dim", "x"]],
+             ["--dim", "x"], ["--recurrent-len", "0"]],
 )  # fmt: skip
 def test_demo_sizes_must_be_positive_ints(argv, capsys):
     """A size below 1 is a usage error naming the option (exit status 2), not a traceback."""
