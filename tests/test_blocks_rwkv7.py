@@ -496,3 +496,78 @@ def test_group_norm_half_precision_and_errors():
         group_norm(y, None, np.ones(6, np.float32), num_groups=3)
     with pytest.raises(ValueError, match="eps must be > 0"):
         group_norm(y, num_groups=3, eps=0.0)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float16", 5e-3), ("bfloat16", 4e-2)])
+def test_half_precision_is_the_float64_block_to_its_precision(dtype, tolerance, rng):
+    """fla's plain initialization (``k_k = 0``: every ``kk`` a zero vector, normalized in
+    float32) in 16 bits: finite, within the dtype's precision of float64, states in float32."""
+    params = init_rwkv7(torch, hidden_size=32, head_dim=8, layer_idx=1, dtype=torch.float64)
+    x, v_first = (torch.from_numpy(rng.standard_normal((2, 20, 32))) for _ in range(2))
+    want = rwkv7(params, x, v_first=v_first).numpy()
+    half = getattr(torch, dtype)
+    p = {n: t.to(half) for n, t in params.items()}
+    y, cache = rwkv7(p, x.to(half), v_first=v_first.to(half), return_cache=True)
+    y_t, cache = rwkv7_step(p, x[:, 0].to(half), cache, v_first=v_first[:, 0].to(half))
+    assert y.dtype == y_t.dtype == half and cache.recurrent_state.dtype == torch.float32
+    assert torch.isfinite(y_t).all()
+    assert_close(y.double().numpy(), want, rtol=tolerance)
+
+
+RWKV_PACKAGE_CHECK = """
+import os, sys
+os.environ["RWKV_JIT_ON"], os.environ["RWKV_V7_ON"] = "0", "1"
+import numpy as np, torch
+import rwkv.model as M
+from polylin.blocks import init_rwkv7, rwkv7
+
+C, N = 32, 8
+H, T = C // N, 9
+rng = np.random.default_rng(0)
+for layer in (0, 1):
+    p = init_rwkv7(np, hidden_size=C, head_dim=N, layer_idx=layer, dtype=np.float64)
+    p = {n: rng.standard_normal(a.shape) * 0.5 for n, a in p.items()}
+    x, v_first = rng.standard_normal((T, C)), rng.standard_normal((T, C))
+    t = {n: torch.from_numpy(a) for n, a in p.items()}
+    zero = torch.zeros(C, dtype=torch.float64)
+
+    def lora(n, i):
+        return t[f"{n}_lora.lora.{i}.weight"].T if f"{n}_lora.lora.{i}.weight" in t else zero
+
+    args = [t["x_" + c].view(C) for c in "rwkvag"] + [
+        t["w_lora.lora.2.bias"], lora("w", 0), lora("w", 2),
+        t["a_lora.lora.2.bias"], lora("a", 0), lora("a", 2),
+        t.get("v_lora.lora.2.bias", zero), lora("v", 0), lora("v", 2),
+        lora("g", 0), lora("g", 2), t["k_k"], t["k_a"], t["r_k"].reshape(C),
+        t["r_proj.weight"].T, t["k_proj.weight"].T, t["v_proj.weight"].T, t["o_proj.weight"].T,
+        t["g_norm.weight"], t["g_norm.bias"],
+    ]
+    state = torch.zeros(H, N, N, dtype=torch.float32)
+    want, _, _, want_first = M.RWKV_x070_TMix_seq(
+        layer, H, N, torch.from_numpy(x), zero, torch.from_numpy(v_first), state, *args
+    )
+    # the package's group norm has eps 64e-5 (64 * 1e-5 for its heads of 64)
+    y, first = rwkv7(p, x[None], v_first=v_first[None], return_v_first=True, norm_eps=64e-5 / N)
+    print(np.abs(y[0] - want.numpy()).max() / np.abs(want.numpy()).max(),
+          np.abs(first[0] - want_first.numpy()).max())
+"""
+
+
+def test_rwkv_packages_time_mix_agrees():
+    """The ``rwkv`` package's ``RWKV_x070_TMix_seq`` (BlinkDL's RWKV-7, CPU path), where it is
+    installed; in a subprocess (importing it sets global torch flags). Its decay constant is
+    rounded (0.606531) and its state kept in float32: agreement to 1e-6."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("rwkv") is None:
+        pytest.skip("the rwkv package is not installed (pip install rwkv)")
+    run = subprocess.run(
+        [sys.executable, "-c", RWKV_PACKAGE_CHECK], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    lines = [line.split() for line in run.stdout.splitlines() if line[:1].isdigit()]
+    assert len(lines) == 2
+    for output, first in lines:
+        assert float(output) < 1e-6 and float(first) < 1e-12

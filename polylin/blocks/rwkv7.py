@@ -27,7 +27,7 @@ from .._backend.ops import cumulative_sum, l2_normalize
 from .._inputs.defaults import DEFAULT_CHUNK_SIZE
 from ..activations import sigmoid
 from ..dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step
-from ..interop import array_namespace, device, is_array
+from ..interop import array_namespace, device, is_array, work_dtype_for
 from ..normalization import group_norm
 from ._init import Draws
 from ._params import BlockCache, linear, padding_mask, param
@@ -188,10 +188,14 @@ def _heads(xp: Any, t: Any, sizes: RWKV7Sizes, size: int) -> Any:
 def _normalize(xp: Any, x: Any, fuse_norm: bool) -> Any:
     """``kk``: fla's ``l2_norm`` (``fuse_norm``) or ``F.normalize``, ``x / max(|x|, 1e-12)``
     (as ``x / sqrt(max(|x|^2, 1e-24))``, by selection: finite gradients at a zero vector)."""
+    work = work_dtype_for(xp, x.dtype)  # 1e-24 is 0 in float16
+    y = x if x.dtype == work else xp.astype(x, work)
     if fuse_norm:
-        return l2_normalize(xp, x)
-    squares = xp.sum(x * x, axis=-1, keepdims=True)
-    return x / xp.sqrt(xp.where(squares > 1e-24, squares, 1e-24))
+        y = l2_normalize(xp, y)
+    else:
+        squares = xp.sum(y * y, axis=-1, keepdims=True)
+        y = y / xp.sqrt(xp.where(squares > 1e-24, squares, 1e-24))
+    return y if y.dtype == x.dtype else xp.astype(y, x.dtype)
 
 
 class _Mixed(NamedTuple):
