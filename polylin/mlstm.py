@@ -252,8 +252,8 @@ def mlstm(
     """
     layout, q, k, v = standard_layout(seq_axis, q=q, k=k, v=v)
     inputs = check_qkv(q, k, v, causal=True)
-    eps, chunk_size = check_options(eps=eps, chunk_size=chunk_size, inputs=inputs)
-    assert chunk_size is not None
+    options = check_options(eps=eps, chunk_size=chunk_size, inputs=inputs)
+    eps, chunk_size = options.eps, int(chunk_size)
     check_method(method, MLSTM_METHODS)
     check_flag("return_state", return_state)
     batch, T, d_k, d_v = inputs.batch_shape, q.shape[-2], k.shape[-1], v.shape[-1]

@@ -19,13 +19,14 @@ from ._lightning import CONVERSIONS as _LIGHTNING
 from ._mamba2 import CONVERSIONS as _MAMBA2
 from ._registry import Conversion
 from ._short_conv import CONVERSIONS as _SHORT_CONV
+from ._xlstm import CONVERSIONS as _XLSTM
 
 __all__ = ["LAYER_CLASSES", "use_polylin", "use_transformers_fallback"]
 
 #: The layer classes (by name) :func:`use_polylin` converts, each with its family, the models
 #: that use it and how it is converted. Checked on transformers 5.23.0
 #: (``tests/test_compat_transformers*.py``).
-LAYER_CLASSES: dict[str, Conversion] = {**_DELTA, **_MAMBA2, **_LIGHTNING, **_SHORT_CONV}
+LAYER_CLASSES: dict[str, Conversion] = {**_DELTA, **_MAMBA2, **_LIGHTNING, **_SHORT_CONV, **_XLSTM}
 
 
 def _families() -> str:
