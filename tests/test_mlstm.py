@@ -441,3 +441,23 @@ def test_bad_input(rng):
     originals = [x.copy() for x in (q, k, v, i_gate, f_gate)]
     mlstm(q, k, v, i_gate, f_gate)
     assert all(np.array_equal(a, b) for a, b in zip(originals, (q, k, v, i_gate, f_gate)))
+
+
+def test_benchmark_runs(tmp_path):
+    """benchmarks/mlstm.py at tiny sizes: both implementations checked and timed, a row per
+    (threads, T, pass) and the goals in the JSON report."""
+    pytest.importorskip("torch")
+    _transformers_kernels()
+    from benchmarks import mlstm as bench
+
+    out = tmp_path / "mlstm.json"
+    report = bench.main([
+        "--lengths", "32", "64", "--threads", "1", "--heads", "2", "--d-qk", "8", "--d-v", "8",
+        "--chunk", "16", "--repeats", "1", "--json", str(out),
+    ])  # fmt: skip
+    assert out.exists() and len(report["rows"]) == 4
+    assert all(r["polylin_s"] > 0 and r["transformers_s"] > 0 for r in report["rows"])
+    assert {g["name"].split(",")[1].strip() for g in report["goals"]} == {
+        "forward",
+        "forward+backward",
+    }
