@@ -15,9 +15,9 @@ import itertools
 import numpy as np
 import pytest
 
-import polylin
 from polylin import causal_linear_attention, selective_scan, selective_scan_step
 from polylin.feature_maps import identity
+from polylin.selective_scan import SELECTIVE_METHODS
 from polylin.testing import Backend
 
 from .conftest import BACKENDS
@@ -49,7 +49,9 @@ def reference(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False
     if dt_softplus:
         dt = softplus(dt)
     dt = np.maximum(dt, 0.0)
-    keep = np.ones((*lead, length), bool) if mask is None else np.broadcast_to(mask, (*lead, length))
+    keep = (
+        np.ones((*lead, length), bool) if mask is None else np.broadcast_to(mask, (*lead, length))
+    )
     h = np.zeros((*lead, channels, size)) if state is None else np.array(
         np.broadcast_to(state, (*lead, channels, size)), np.float64)  # fmt: skip
     y = np.zeros((*lead, length, channels))
@@ -113,7 +115,7 @@ def close(backend, got, want, atol=ATOL64):
 
 
 @pytest.mark.slow_grid(cover=("method", "case"))
-@pytest.mark.parametrize("method", polylin.SELECTIVE_METHODS)
+@pytest.mark.parametrize("method", SELECTIVE_METHODS)
 @pytest.mark.parametrize("case", ["plain", "full", "heads"])
 def test_matches_reference(backend, rng, method, case):
     x, dt, A, B, C = make_inputs(rng)
@@ -189,7 +191,13 @@ def test_step_continues_a_chunked_prefill(backend, rng):
     head = [b[n][:, :cut, ...] for n in ("x", "dt")] + [b["A"]] + [b[n][:, :cut, ...] for n in "BC"]
     _, h = selective_scan(*head, z=b["z"][:, :cut, ...], return_state=True, **params)
     for t in range(cut, T):
-        token = [b["x"][:, t, ...], b["dt"][:, t, ...], b["A"], b["B"][:, t, ...], b["C"][:, t, ...]]
+        token = [
+            b["x"][:, t, ...],
+            b["dt"][:, t, ...],
+            b["A"],
+            b["B"][:, t, ...],
+            b["C"][:, t, ...],
+        ]
         y_t, h = selective_scan_step(*token, h, z=b["z"][:, t, ...], **params)
         close(backend, y_t, want[:, t, ...])
     close(backend, h, want_state)
@@ -208,7 +216,7 @@ def test_step_from_zero_and_shared_state(rng):
     assert h.shape == (2, CH, N)
 
 
-@pytest.mark.parametrize("method", polylin.SELECTIVE_METHODS)
+@pytest.mark.parametrize("method", SELECTIVE_METHODS)
 def test_padding(backend, rng, method):
     """Left and right padding holding NaN: the real tokens' outputs and the final state are
     those of the unpadded sequences; padded outputs are exactly 0."""
@@ -230,7 +238,7 @@ def test_padding(backend, rng, method):
     close(backend, state, want_state)
 
 
-@pytest.mark.parametrize("method", polylin.SELECTIVE_METHODS)
+@pytest.mark.parametrize("method", SELECTIVE_METHODS)
 def test_cu_seqlens(backend, rng, method):
     """Packed sequences, each from its own initial state, with A per head."""
     offsets = [0, 5, 5, 11, T]  # an empty sequence included
@@ -253,7 +261,7 @@ def test_cu_seqlens(backend, rng, method):
         np.testing.assert_allclose(got_state[:, :, i], want_state, atol=ATOL64, rtol=0)
 
 
-@pytest.mark.parametrize("method", polylin.SELECTIVE_METHODS)
+@pytest.mark.parametrize("method", SELECTIVE_METHODS)
 def test_seq_axis(backend, rng, method):
     """(T, batch, d) inputs with seq_axis=0; the output keeps the layout."""
     x, dt, A, B, C = make_inputs(rng)
@@ -269,7 +277,7 @@ def test_seq_axis(backend, rng, method):
 def test_empty_sequence_returns_a_copy_of_the_state(rng):
     x, dt, A, B, C = make_inputs(rng, length=0)
     h0 = rng.standard_normal((2, CH, N))
-    for method in polylin.SELECTIVE_METHODS:
+    for method in SELECTIVE_METHODS:
         out, h = selective_scan(x, dt, A, B, C, initial_state=h0, method=method,
                                 return_state=True)  # fmt: skip
         assert out.shape == (2, 0, CH) and h is not h0
@@ -294,7 +302,7 @@ def test_gradients_torch(rng):
     torch = needs(Backend.TORCH)
     arrays, out_weight, state_weight = _loss_inputs(rng)
     grads = {}
-    for method in polylin.SELECTIVE_METHODS:
+    for method in SELECTIVE_METHODS:
         xs = [torch.tensor(a, requires_grad=True) for a in arrays]
         out, state = _scan(*xs, method=method)
         loss = (out * torch.tensor(out_weight)).sum() + (state * torch.tensor(state_weight)).sum()
@@ -345,9 +353,185 @@ def test_gradients_are_finite_with_nan_padding(rng):
     arrays = [np.where(mask[:, None], a[0], np.nan) for a in (x, dt, B, C)]
     xs = [torch.tensor(a, requires_grad=True) for a in arrays]
     bias = torch.tensor(rng.standard_normal(CH), requires_grad=True)
-    out = selective_scan(xs[0], xs[1], torch.tensor(A), xs[2], xs[3], dt_bias=bias,
-                         dt_softplus=True, attention_mask=torch.tensor(mask), chunk_size=4)  # fmt: skip
+    keep = torch.tensor(mask)
+    out = selective_scan(
+        xs[0], xs[1], torch.tensor(A), xs[2], xs[3], dt_bias=bias, dt_softplus=True,
+        attention_mask=keep, chunk_size=4,
+    )  # fmt: skip
     grads = torch.autograd.grad(out.sum(), [*xs, bias])
     for g in grads[:4]:
         assert torch.all(torch.isfinite(g)) and torch.all(g[:3] == 0)
     assert torch.all(torch.isfinite(grads[4]))
+
+
+def _transformers_inputs(torch, rng, length):
+    """float32 inputs in transformers' layout (batch, D, T) and (batch, N, T)."""
+    x, dt, A, B, C = make_inputs(rng, length=length)
+    opts = extras(rng, length=length)
+    ch_first = lambda a: torch.tensor(np.swapaxes(a, -1, -2), dtype=torch.float32)  # noqa: E731
+    flat = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    return {
+        "x": ch_first(x), "dt": ch_first(dt), "A": flat(A), "B": ch_first(B),
+        "C": ch_first(C), "D": flat(opts["D"]), "z": ch_first(opts["z"]),
+        "dt_bias": flat(opts["dt_bias"]),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba", "zamba"])
+def test_matches_transformers(rng, family):
+    """transformers' ``mamba_selective_scan`` (its PyTorch fallback) on identical float32
+    inputs: outputs, final states and gradients wrt every input."""
+    torch = needs(Backend.TORCH)
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    a = _transformers_inputs(torch, rng, 40)
+    results = {}
+    for who in ("polylin", "transformers"):
+        xs = {n: t.clone().requires_grad_(True) for n, t in a.items()}
+        if who == "polylin":
+            y, h = selective_scan(
+                xs["x"].mT, xs["dt"].mT, xs["A"], xs["B"].mT, xs["C"].mT, D=xs["D"],
+                z=xs["z"].mT, dt_bias=xs["dt_bias"], dt_softplus=True, chunk_size=8,
+                return_state=True,
+            )  # fmt: skip
+            y = y.mT
+        else:
+            y, h = module.mamba_selective_scan(
+                xs["x"], xs["dt"], xs["A"], xs["B"], xs["C"], D=xs["D"], z=xs["z"],
+                delta_bias=xs["dt_bias"], delta_softplus=True, return_last_state=True,
+            )  # fmt: skip
+        grads = torch.autograd.grad((y * y).sum() + h.sum(), list(xs.values()))
+        results[who] = (y, h, grads)
+    ours, theirs = results["polylin"], results["transformers"]
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-4, atol=1e-5)
+    for name, g, g_ref in zip(a, ours[2], theirs[2]):
+        assert g_ref.abs().max() > 0, name
+        torch.testing.assert_close(g, g_ref, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_step_matches_transformers_state_update(rng):
+    """``mamba_selective_state_update`` after a prefill: the same output and state."""
+    torch = needs(Backend.TORCH)
+    from transformers.models.mamba.modeling_mamba import mamba_selective_state_update
+
+    a = _transformers_inputs(torch, rng, 12)
+    _, h = selective_scan(
+        a["x"].mT[:, :11], a["dt"].mT[:, :11], a["A"], a["B"].mT[:, :11], a["C"].mT[:, :11],
+        dt_bias=a["dt_bias"], dt_softplus=True, return_state=True,
+    )  # fmt: skip
+    theirs_state = h.clone()
+    t = 11
+    y_ref = mamba_selective_state_update(
+        theirs_state, a["x"][..., t], a["dt"][..., t], a["A"], a["B"][..., t], a["C"][..., t],
+        D=a["D"], dt_bias=a["dt_bias"], dt_softplus=True, z=a["z"][..., t],
+    )  # fmt: skip
+    y, h = selective_scan_step(
+        a["x"][..., t], a["dt"][..., t], a["A"], a["B"][..., t], a["C"][..., t], h, D=a["D"],
+        z=a["z"][..., t], dt_bias=a["dt_bias"], dt_softplus=True,
+    )  # fmt: skip
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h, theirs_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gates", ["strong", "mixed"])
+def test_float32_long_sequence_at_strong_gates(rng, gates):
+    """float32 at T = 4096: within float32 round-off of the float64 loop, for decays down to
+    exp(-hundreds) per token (strong) and for dt spanning seven orders of magnitude (mixed)."""
+    length, channels, size = 4096, 4, 8
+    x, _, _, B, C = make_inputs(rng, lead=(1,), length=length, channels=channels, size=size)
+    A = -np.exp(rng.uniform(-1.0, 3.0, (channels, size)))  # |A| up to 20
+    if gates == "strong":
+        dt = rng.uniform(0.0, 10.0, (1, length, channels))
+    else:
+        dt = 10.0 ** rng.uniform(-4.0, 3.0, (1, length, channels))
+    want, want_state = reference(x, dt, A, B, C)
+    f32 = [a.astype(np.float32) for a in (x, dt, A, B, C)]
+    for method in ("chunked", "recurrent"):
+        out, state = selective_scan(*f32, method=method, return_state=True)
+        assert out.dtype == np.float32
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(out, want, atol=2e-5 * scale, rtol=0)
+        np.testing.assert_allclose(state, want_state, atol=2e-5 * np.abs(want_state).max())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_accumulates_in_float32(rng, dtype):
+    torch = needs(Backend.TORCH)
+    from .reference import rounded
+
+    x, dt, A, B, C = (rounded(a, dtype) for a in make_inputs(rng, length=70))
+    want, want_state = reference(x, dt, A, B, C, dt_softplus=True)
+    xs = [Backend.TORCH.from_numpy(a, dtype) for a in (x, dt, A, B, C)]
+    out, state = selective_scan(*xs, dt_softplus=True, return_state=True)
+    assert out.dtype == getattr(torch, dtype) and state.dtype == torch.float32
+    atol = {"float16": 4e-3, "bfloat16": 3e-2}[dtype] * np.abs(want).max()
+    np.testing.assert_allclose(Backend.TORCH.to_numpy(out), want, atol=atol, rtol=0)
+    np.testing.assert_allclose(Backend.TORCH.to_numpy(state), want_state, atol=1e-4, rtol=0)
+
+
+def test_decays_never_amplify(rng):
+    """dt below 0 and A above 0 are taken as 0 (a decay never amplifies the state), in every
+    method alike."""
+    x, dt, A, B, C = make_inputs(rng)
+    A = A * np.where(rng.random(A.shape) < 0.3, -1.0, 1.0)  # some entries positive
+    want, _ = reference(x, dt, A, B, C)  # dt has negative entries too
+    for method in SELECTIVE_METHODS:
+        out = selective_scan(x, dt, A, B, C, method=method, chunk_size=4)
+        np.testing.assert_allclose(out, want, atol=ATOL64, rtol=0)
+
+
+def _bad_call(rng, **change):
+    x, dt, A, B, C = make_inputs(rng, length=5)
+    arrays = {"x": x, "dt": dt, "A": A, "B": B, "C": C}
+    arrays.update({k: v for k, v in change.items() if k in arrays})
+    options = {k: v for k, v in change.items() if k not in arrays}
+    return selective_scan(*arrays.values(), **options)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"dt": np.ones((2, 5, 4))}, ValueError, "dt has last axis 4; it must be 5"),
+        ({"dt": np.ones((2, 6, 5))}, ValueError, "dt has sequence length 6 but x has 5"),
+        ({"C": np.ones((2, 5, 4))}, ValueError, "C has last axis 4; it must be 3"),
+        ({"A": np.ones((5, 4))}, ValueError, r"A must have shape \(..., D, N\)"),
+        ({"A": np.ones(5)}, ValueError, "A must have at least 2 dimensions"),
+        ({"D": np.ones(4)}, ValueError, "D has last axis 4"),
+        ({"z": np.ones((2, 5, 4))}, ValueError, "z has last axis 4"),
+        ({"dt_bias": np.ones(3)}, ValueError, "dt_bias has last axis 3"),
+        ({"B": np.ones((2, 5, 3), np.float32)}, TypeError, "B has dtype float32 but x"),
+        ({"x": np.ones((2, 5, 5), np.int64)}, TypeError, "x must have a real floating dtype"),
+        ({"B": [[1.0]]}, TypeError, "B must be an array"),
+        ({"C": np.ones((3, 5, 3))}, ValueError, "do not broadcast"),
+        ({"method": "scan"}, ValueError, "method must be one of"),
+        ({"chunk_size": 0}, ValueError, "chunk_size must be >= 1"),
+        ({"dt_softplus": 1}, TypeError, "dt_softplus must be True or False"),
+        ({"initial_state": np.ones((2, 5, 4))}, ValueError, "initial_state must have shape"),
+        ({"initial_state": np.ones((2, 5, 3), np.float32)}, TypeError, "initial_state has"),
+        ({"attention_mask": np.ones((2, 4), bool)}, ValueError, "attention_mask must have"),
+    ],
+)
+def test_bad_input_names_the_argument(rng, change, error, match):
+    with pytest.raises(error, match=match):
+        _bad_call(rng, **change)
+
+
+def test_bad_step_input_names_the_argument(rng):
+    x, dt, A, B, C = (a[:, 0] if a.ndim == 3 else a for a in make_inputs(rng, length=1))
+    with pytest.raises(ValueError, match="C_t has last axis 2"):
+        selective_scan_step(x, dt, A, B, C[:, :2])
+    with pytest.raises(ValueError, match="state must have shape"):
+        selective_scan_step(x, dt, A, B, C, np.zeros((2, CH, N + 1)))
+    with pytest.raises(TypeError, match="dt_t has dtype float32"):
+        selective_scan_step(x, dt.astype(np.float32), A, B, C)
+
+
+def test_inputs_are_not_modified(rng):
+    x, dt, A, B, C = make_inputs(rng)
+    opts = extras(rng)
+    copies = [a.copy() for a in (x, dt, A, B, C, *opts.values())]
+    selective_scan(x, dt, A, B, C, dt_softplus=True, return_state=True, **opts)
+    for before, after in zip(copies, (x, dt, A, B, C, *opts.values())):
+        np.testing.assert_array_equal(before, after)
