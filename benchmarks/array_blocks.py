@@ -4,7 +4,8 @@
                                       [--decode-tokens 50] [--json PATH]
 
 For Gated DeltaNet and Kimi Delta Attention (``num_heads = hidden / 128``, ``head_dim`` 64;
-Gated DeltaNet's ``expand_v`` 2): the torch module, the block function on the module's state
+Gated DeltaNet's ``expand_v`` 2), GLA (``hidden / 128`` heads, key heads of 64) and Mamba-2
+(heads of 64, ``state_size`` 64, one group): the torch module, the block function on the module's state
 dict as torch tensors, as NumPy arrays and as JAX arrays (``jax.jit``, its compile time
 recorded), each checked against the module first. Float32, batch 1, the threads PyTorch and the
 BLAS libraries choose; forward (torch under ``no_grad``), forward+backward (the sum of the
@@ -34,7 +35,12 @@ if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and 
 
 from benchmarks.timing import interleaved_times, run_metadata, write_report  # noqa: E402
 from polylin import blocks  # noqa: E402
-from polylin.torch import GatedDeltaNet, KimiDeltaAttention  # noqa: E402
+from polylin.torch import (  # noqa: E402
+    GatedDeltaNet,
+    GatedLinearAttention,
+    KimiDeltaAttention,
+    Mamba2,
+)
 
 HEAD_DIM = 64
 #: name -> (torch module, block, step, extra constructor options)
@@ -43,7 +49,21 @@ BLOCKS = {
                        {"expand_v": 2}),
     "kimi_delta_attention": (KimiDeltaAttention, blocks.kimi_delta_attention,
                              blocks.kimi_delta_attention_step, {}),
+    "gated_linear_attention": (GatedLinearAttention, blocks.gated_linear_attention,
+                               blocks.gated_linear_attention_step, {}),
+    "mamba2": (Mamba2, blocks.mamba2, blocks.mamba2_step, {"state_size": 64}),
 }  # fmt: skip
+#: name -> the module's size options and the block call's options, given ``heads``
+#: (``hidden / 128``); the delta-rule blocks' otherwise. GLA: its default ``expand_k`` 0.5 and
+#: ``expand_v`` 1 (key heads of 64); Mamba-2: heads of 64 (``expand`` 2: 4 per 128 of hidden).
+SIZES = {
+    "gated_linear_attention": lambda heads: ({"num_heads": heads}, {}),
+    "mamba2": lambda heads: ({"head_dim": HEAD_DIM}, {"n_groups": 1}),
+}
+
+
+def _delta_sizes(heads: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    return {"num_heads": heads, "head_dim": HEAD_DIM}, {"num_heads": heads}
 
 
 def _jax() -> Any | None:
@@ -58,8 +78,8 @@ def _rows(name: str, length: int, hidden: int, repeats: int, tokens: int) -> lis
     module_type, block, step, extra = BLOCKS[name]
     heads = max(1, hidden // 128)
     torch.manual_seed(0)
-    module = module_type(hidden_size=hidden, num_heads=heads, head_dim=HEAD_DIM, **extra)
-    options = {"num_heads": heads}
+    sizes, options = SIZES.get(name, _delta_sizes)(heads)
+    module = module_type(hidden_size=hidden, **sizes, **extra)
     x = torch.randn(1, length, hidden)
     with torch.no_grad():
         want = module(x).numpy()
