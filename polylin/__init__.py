@@ -21,7 +21,7 @@ from .delta_rule import (
 from .dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step, prepare_dplr_step
 from .mlstm import MLSTMState, mlstm, mlstm_step
 from .normalization import group_norm, rms_norm
-from .selective_scan import SELECTIVE_METHODS, selective_scan, selective_scan_step
+from .selective_scan import selective_scan, selective_scan_step
 
 __version__ = "0.2.0"
 
@@ -31,7 +31,6 @@ __all__ = [
     "DELTA_METHODS",
     "DPLR_METHODS",
     "METHODS",
-    "SELECTIVE_METHODS",
     "LinearAttentionState",
     "MLSTMState",
     "PreparedStep",
