@@ -1,14 +1,23 @@
 """Train the same character language model in JAX: ``jit``, ``grad`` and a few-line Adam.
 
-    python examples/char_lm_jax.py --steps 1000
+    python examples/char_lm_jax.py --steps 1000 --out runs/jax
+    python examples/char_lm_jax.py --steps 1000 --layer gated-deltanet --out runs/jax-gdn
+    python examples/generate_numpy.py runs/jax-gdn      # NumPy serves it: the same text
 
 The model is the one ``char_lm_torch.py`` trains (``examples/charlm.py``, written against the
 array API), here on JAX arrays, with polylin's chunked ``causal_linear_attention`` traced inside
-``jax.jit`` and differentiated by ``jax.grad``. The defaults are those of the PyTorch script: the
-same seed gives the same initial weights and the same batches, so the two loss curves can be laid
-on top of each other (``--compare DIR`` plots the PyTorch run's ``losses.csv`` beside this one).
+``jax.jit`` and differentiated by ``jax.grad``. With ``--layer gated-deltanet`` each block's
+attention is a Flax NNX module, ``polylin.flax.GatedDeltaNet``, built from the same initial
+weights (``polylin.torch.GatedDeltaNet``'s state dict, by name) and trained through ``nnx.split``
+and ``jax.grad``. The defaults are those of the PyTorch script: the same seed gives the same
+initial weights and the same batches, so the two loss curves can be laid on top of each other
+(``--compare DIR`` plots the PyTorch run's ``losses.csv`` beside this one).
 
-With ``--out DIR`` it writes ``losses.csv`` and ``loss.png`` (with matplotlib).
+With ``--out DIR`` it writes ``weights.npz`` (plain NumPy arrays under ``charlm``'s names, which
+``generate_numpy.py DIR`` serves), ``vocab.json``, ``losses.csv`` and ``loss.png`` (with
+matplotlib); for a Gated DeltaNet model also ``sample.txt``: the prompt ``"The "`` and its greedy
+continuation of 200 characters in float64 by the Flax modules' prefill and ``step``, the text
+``generate_numpy.py DIR`` prints with NumPy alone.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import charlm
 import numpy as np
@@ -37,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--compare {args.compare} has no losses.csv (from char_lm_torch.py --out)")
     if args.compare is not None and args.out is None:
         parser.error("--compare needs --out (where the plot goes)")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a directory")
     return args
 
 
@@ -62,6 +74,109 @@ def adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8):
     return init, update
 
 
+def flax_model(weights: dict[str, Any], *, n_heads: int) -> Any:
+    """``charlm``'s Gated DeltaNet model as a Flax NNX module from its weights (any arrays):
+    each block's attention a :class:`polylin.flax.GatedDeltaNet` loaded by its state-dict
+    names, the rest (embedding, norms, MLPs) ``nnx.Param``s under ``charlm``'s names."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from polylin.flax import GatedDeltaNet
+
+    class CharLM(nnx.Module):
+        def __init__(self) -> None:
+            d_model = weights["embed"].shape[1]
+            self.attn = nnx.List(
+                GatedDeltaNet.from_torch_state_dict(
+                    {n.removeprefix(f"block{i}.attn."): w for n, w in weights.items()
+                     if n.startswith(f"block{i}.attn.")},
+                    hidden_size=d_model, num_heads=n_heads, head_dim=d_model // n_heads,
+                    expand_v=1, conv_size=charlm.CONV_SIZE, norm_eps=charlm.NORM_EPS,
+                )
+                for i in range(charlm.n_layers_of(weights))
+            )  # fmt: skip
+            self.rest = nnx.Dict(
+                {n: nnx.Param(jnp.asarray(w)) for n, w in weights.items() if ".attn." not in n}
+            )
+
+        def weights(self) -> dict[str, Any]:
+            """Every parameter under ``charlm``'s names (``block0.attn.q_proj.weight``)."""
+            out = {n: p[...] for n, p in self.rest.items()}
+            for i, layer in enumerate(self.attn):
+                out |= {f"block{i}.attn.{n}": w for n, w in layer.state_dict().items()}
+            return out
+
+        def __call__(self, tokens: Any, caches: list | None = None) -> tuple[Any, list]:
+            """Logits for ``tokens`` ``(batch, T)``, or for one token ``(batch,)`` after
+            ``caches``; and the blocks' caches after them."""
+            params = {n: p[...] for n, p in self.rest.items()}
+            x = charlm.embed(params, tokens)
+            new_caches = []
+            for i, layer in enumerate(self.attn):
+                h = charlm.rms_norm(x, params[f"block{i}.attn_norm"])
+                if tokens.ndim == 1:
+                    o, cache = layer.step(h, None if caches is None else caches[i])
+                else:
+                    o, cache = layer(h, return_cache=True)
+                new_caches.append(cache)
+                x = x + o
+                x = x + charlm.mlp(params, i, x)
+            return charlm.head_logits(params, x), new_caches
+
+    return CharLM()
+
+
+def flax_generate(weights: dict[str, Any], prompt: Any, *, n_heads: int) -> tuple[list[int], float]:
+    """:func:`charlm.generate` through the Flax model: its prefill of the prompt, then its
+    ``step`` per token, each compiled once (``nnx.jit``)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = flax_model(weights, n_heads=n_heads)
+    logits, caches = nnx.jit(lambda model, tokens: model(tokens))(model, prompt[None, :])
+    logits = logits[:, -1, :]
+    decode = nnx.jit(lambda model, token, caches: model(token, caches))
+    tokens: list[int] = []
+    margin = math.inf
+    for _ in range(charlm.SAMPLE_TOKENS):
+        top2 = jnp.sort(logits[0, :])[-2:]
+        margin = min(margin, float(top2[1] - top2[0]))
+        token = jnp.argmax(logits, axis=-1)
+        tokens.append(int(token[0]))
+        logits, caches = decode(model, token, caches)
+    return tokens, margin
+
+
+def write_outputs(args, vocab, weights: dict[str, np.ndarray], losses: list[float]) -> None:
+    """``weights.npz``, ``vocab.json``, the losses and their plot; for a Gated DeltaNet model,
+    ``sample.txt`` (the Flax model's, in float64)."""
+    import jax
+    import jax.numpy as jnp
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    charlm.save_weights(args.out / "weights.npz", weights, n_heads=args.heads)
+    vocab.save(args.out / "vocab.json")
+    charlm.write_losses(args.out / "losses.csv", losses)
+    curves = {"JAX": losses}
+    if args.compare is not None:
+        curves = {"PyTorch": charlm.read_losses(args.compare / "losses.csv"), **curves}
+    charlm.plot_losses(args.out / "loss.png", curves)
+    if args.layer == "gated-deltanet":
+        # Generation in float64, so that NumPy (or any library) reproduces the argmax exactly.
+        jax.config.update("jax_enable_x64", True)
+        weights64 = {name: jnp.asarray(w, jnp.float64) for name, w in weights.items()}
+        prompt = jnp.asarray(vocab.encode(charlm.PROMPT))
+        tokens, margin = flax_generate(weights64, prompt, n_heads=args.heads)
+        sample = charlm.PROMPT + vocab.decode(tokens)
+        (args.out / "sample.txt").write_text(sample + "\n", encoding="utf-8")
+        print(f"sample (greedy, float64, polylin.flax; smallest top-2 logit gap {margin:.1e}):")
+        print(sample)
+    print(
+        f"wrote {args.out}/weights.npz, vocab.json, losses.csv"
+        + (", sample.txt" if args.layer == "gated-deltanet" else "")
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -74,13 +189,26 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    _, train_data, val_data, init = charlm.prepare_run(args, f"jax {jax.__version__}")
-    params = {name: jnp.asarray(w) for name, w in init.items()}
+    vocab, train_data, val_data, init = charlm.prepare_run(args, f"jax {jax.__version__}")
+    if args.layer == "gated-deltanet":
+        from flax import nnx
+
+        # The trainable state of the Flax model is a pytree like any other: split it off,
+        # differentiate the loss of the model merged back with it.
+        graphdef, params = nnx.split(flax_model(init, n_heads=args.heads), nnx.Param)
+
+        def loss(params, inputs, targets):
+            logits, _ = nnx.merge(graphdef, params)(inputs)
+            return charlm.cross_entropy(logits, targets)
+
+    else:
+        params = {name: jnp.asarray(w) for name, w in init.items()}
+
+        def loss(params, inputs, targets):
+            return charlm.loss(params, inputs, targets, n_heads=args.heads)
+
     opt_init, opt_update = adam(args.lr)
     opt_state = opt_init(params)
-
-    def loss(params, inputs, targets):
-        return charlm.loss(params, inputs, targets, n_heads=args.heads)
 
     @jax.jit
     def train_step(params, opt_state, inputs, targets, lr):
@@ -111,13 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{val_loss:.3f} (validation); {last / math.log(2):.2f} bits/char"
     )
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        charlm.write_losses(args.out / "losses.csv", losses)
-        curves = {"JAX": losses}
-        if args.compare is not None:
-            curves = {"PyTorch": charlm.read_losses(args.compare / "losses.csv"), **curves}
-        charlm.plot_losses(args.out / "loss.png", curves)
-        print(f"wrote {args.out}/losses.csv")
+        if args.layer == "gated-deltanet":
+            trained = nnx.merge(graphdef, params).weights()
+        else:
+            trained = params
+        weights = {name: np.asarray(w) for name, w in trained.items()}
+        write_outputs(args, vocab, weights, losses)
     return 0
 
 

@@ -286,3 +286,60 @@ def test_without_flax_the_import_error_says_how_to_install(tmp_path):
     )
     assert done.returncode != 0
     assert "polylin.flax needs Flax: pip install 'polylin[flax]'" in done.stderr
+
+
+# -- the example -----------------------------------------------------------------------------------
+TINY = ["--batch", "4", "--context", "24", "--d-model", "16", "--heads", "2", "--layers", "1"]
+TINY += ["--threads", "1", "--lr", "1e-2", "--seed", "0"]
+
+
+def test_jax_example_trains_gated_deltanet_through_flax_and_numpy_serves_it(tmp_path):
+    """``char_lm_jax.py --layer gated-deltanet`` trains charlm's model (its first loss is the
+    NumPy model's on the same weights and batch) through ``polylin.flax.GatedDeltaNet``; its
+    ``sample.txt`` (JAX, the Flax modules) is what ``generate_numpy.py`` prints from the
+    exported weights in a Python where JAX, Flax and PyTorch cannot be imported."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import charlm
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = [sys.executable, str(ROOT / "examples" / "char_lm_jax.py")]
+    args = ["--steps", "12", "--out", str(out), "--layer", "gated-deltanet", *TINY]
+    done = subprocess.run([*script, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    weights, n_heads = charlm.load_weights(out / "weights.npz")
+    assert "block0.attn.q_conv1d.weight" in weights and "block0.qkv" not in weights
+    vocab = charlm.Vocab.load(out / "vocab.json")
+    init = charlm.init_params(
+        len(vocab), d_model=16, n_heads=2, n_layers=1, seed=0, layer="gated-deltanet"
+    )
+    assert set(weights) == set(init) and n_heads == 2
+    text = vocab.encode(charlm.training_text())
+    inputs, targets = next(charlm.batches(charlm.split(text)[0], batch=4, context=24, seed=0))
+    init64 = {n: w.astype(np.float64) for n, w in init.items()}
+    losses = charlm.read_losses(out / "losses.csv")
+    assert losses[0] == pytest.approx(
+        float(charlm.loss(init64, inputs, targets, n_heads=2)), abs=1e-4
+    )
+    assert losses[-1] < losses[0] - 0.3  # it learns
+
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('jax', 'jaxlib', 'flax', 'torch'):\n"
+        "            raise ImportError(name + ' is blocked for this test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker), str(ROOT)])
+    served = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "generate_numpy.py"), str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert served.returncode == 0, served.stderr
+    assert served.stdout == (out / "sample.txt").read_text(encoding="utf-8")
+    assert len(served.stdout) == len(charlm.PROMPT) + charlm.SAMPLE_TOKENS + 1
