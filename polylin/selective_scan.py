@@ -338,8 +338,14 @@ def selective_scan_step(
     state : array, optional
         The state before this token, ``(..., D, N)`` in the work dtype; ``None`` starts from
         zeros.
-    D, z, dt_bias, dt_softplus
-        As for :func:`selective_scan` (``z`` of the shape of ``x_t``).
+    D : array, optional
+        The skip weights, ``(D,)`` or ``(..., D)``, any real floating dtype.
+    z : array, optional
+        The gate, the shape of ``x_t``: the output is multiplied by ``silu(z)``.
+    dt_bias : array, optional
+        Added to ``dt_t`` first, ``(D,)`` or ``(..., D)``, any real floating dtype.
+    dt_softplus : bool
+        Apply ``softplus`` to ``dt_t + dt_bias``.
 
     Returns
     -------
