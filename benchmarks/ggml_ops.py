@@ -5,15 +5,17 @@
 
 Builds ggml's ``test-backend-ops`` from the llama.cpp vendored in the pinned llama-cpp-python
 sdist (downloaded with pip, built with cmake, CPU only, ``-DGGML_NATIVE=ON``) into a cache
-folder outside the checkout (``~/.cache/polylin-ggml``, or ``--cache``), with two changes to the
-test program, none to the kernels: the thread count comes from ``GGML_PERF_THREADS``, and perf
-cases for the shapes below that its list lacks are added. It then runs
-``test-backend-ops perf -b CPU -o <OP> --output csv`` for ``GATED_DELTA_NET`` (scalar gate and
-KDA), ``SSM_SCAN``, ``RWKV_WKV7``, ``GATED_LINEAR_ATTN`` and ``SSM_CONV``, once per thread
-count, and times polylin on the same shapes (float32, one sequence) on PyTorch and NumPy with
-the same thread count: each polylin call first checked against a float64 loop of ggml's own
-semantics (read from ``ggml/src/ggml-cpu/ops.cpp``), then timed (median of interleaved
-repeats). The report gives polylin's time over ggml's, per op, shape and thread count.
+folder outside the checkout (``~/.cache/polylin-ggml``, or ``--cache``), with three changes to
+the test program, none to the kernels: the thread count comes from ``GGML_PERF_THREADS``, perf
+cases for the shapes below that its list lacks are added, and a timed graph holds fewer copies
+of the op (``GGML_PERF_CPU_MIB``). It then runs ``test-backend-ops perf -b CPU -o <OP>`` for
+``GATED_DELTA_NET`` (scalar gate and KDA), ``SSM_SCAN``, ``RWKV_WKV7``, ``GATED_LINEAR_ATTN``
+and ``SSM_CONV``, once per thread count, and times polylin on the same shapes (float32, one
+sequence) on PyTorch and NumPy with the same thread count: each polylin call first checked
+against a float64 loop of ggml's own semantics (read from ``ggml/src/ggml-cpu/ops.cpp``), then
+timed (the mean over at least a second, as ggml's ``us/run``; the median is recorded too).
+ggml and polylin alternate by pass; the report gives polylin's time over ggml's in each pass,
+per op, shape and thread count.
 
 Where cmake or a C++ compiler is missing the ggml side is skipped with a message (exit 0); the
 polylin side still runs (its checks included). Absolute times on a shared machine are noise:
@@ -440,22 +442,27 @@ TOLERANCE = 1e-3
 BACKENDS = {"numpy": Backend.NUMPY, "torch": Backend.TORCH}
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, budget_s: float) -> float:
+def _times(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[float, float]:
+    """``(mean, median)`` seconds of ``fn`` after a warm-up: at least 3 and up to ``repeats``
+    calls within ``budget_s``, then more until a second has passed. ggml's ``us/run`` is a mean
+    over at least a second, and the ratios use the mean too: on a loaded machine a median of
+    short calls would keep the quiet moments that ggml's mean does not."""
     start = time.perf_counter()
     fn()  # warm-up
     first = time.perf_counter() - start
-    times = []
-    for _ in range(max(3, min(repeats, int(budget_s / max(first, 1e-9))))):
+    times: list[float] = []
+    least = max(3, min(repeats, int(budget_s / max(first, 1e-9))))
+    while len(times) < least or sum(times) < 1.0:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.fmean(times), statistics.median(times)
 
 
 def time_polylin(
     chosen: list[Case], backends: list[str], repeats: int, budget_s: float
 ) -> list[dict[str, Any]]:
-    """Each case on each backend: the error against :func:`reference`, then the median time.
+    """Each case on each backend: the error against :func:`reference`, then the times.
 
     A call whose error exceeds :data:`TOLERANCE` raises: nothing unchecked is timed."""
     rows = []
@@ -472,8 +479,9 @@ def time_polylin(
             if got.shape != want.shape or not error <= TOLERANCE:
                 raise AssertionError(f"{case.name} on {name}: shape {got.shape} vs "
                                      f"{want.shape}, error {error:.2e} > {TOLERANCE}")
+            mean, median = _times(fn, repeats, budget_s)
             rows.append({"case": case.name, "backend": name, "error": error,
-                         "seconds": _median_time(fn, repeats, budget_s)})  # fmt: skip
+                         "seconds": mean, "median_s": median})  # fmt: skip
     return rows
 
 
