@@ -32,14 +32,22 @@ from polylin.blocks import BlockCache, gated_deltanet, init_gated_deltanet  # no
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN, HEADS, HEAD_DIM = 16, 2, 4
 
+DELTA = {"hidden_size": HIDDEN, "num_heads": HEADS, "head_dim": HEAD_DIM}
 #: name -> (torch module, Flax module, the modules' options)
 LAYERS = {
-    "gdn": (pt.GatedDeltaNet, pf.GatedDeltaNet, {"num_v_heads": 4, "expand_v": 1.5}),
+    "gdn": (pt.GatedDeltaNet, pf.GatedDeltaNet, {**DELTA, "num_v_heads": 4, "expand_v": 1.5}),
     "gdn-plain": (pt.GatedDeltaNet, pf.GatedDeltaNet,
-                  {"use_gate": False, "allow_neg_eigval": True, "conv_bias": True}),
-    "kda": (pt.KimiDeltaAttention, pf.KimiDeltaAttention, {"num_v_heads": 4}),
+                  {**DELTA, "use_gate": False, "allow_neg_eigval": True, "conv_bias": True}),
+    "kda": (pt.KimiDeltaAttention, pf.KimiDeltaAttention, {**DELTA, "num_v_heads": 4}),
     "kda-bounded": (pt.KimiDeltaAttention, pf.KimiDeltaAttention,
-                    {"lower_bound": -5.0, "safe_gate": True}),
+                    {**DELTA, "lower_bound": -5.0, "safe_gate": True}),
+    "gla": (pt.GatedLinearAttention, pf.GatedLinearAttention,
+            {"hidden_size": HIDDEN, "num_heads": HEADS, "num_kv_heads": 1,
+             "use_short_conv": True, "gate_low_rank_dim": 4}),
+    "mamba2": (pt.Mamba2, pf.Mamba2,
+               {"hidden_size": HIDDEN, "head_dim": 8, "state_size": 4, "n_groups": 2}),
+    "rwkv7": (pt.RWKV7Attention, pf.RWKV7Attention,
+              {"hidden_size": HIDDEN, "head_dim": HEAD_DIM, "layer_idx": 0}),
 }  # fmt: skip
 
 
@@ -62,14 +70,16 @@ prefill = nnx.jit(lambda layer, x, mask, cache: layer(x, mask, cache, return_cac
 step = nnx.jit(lambda layer, x_t, cache: layer.step(x_t, cache))
 
 
-def make(name: str):
+def make(name: str, **extra):
     """The float64 torch module, its options, and the Flax layer loaded from its state dict."""
     module_type, layer_type, options = LAYERS[name]
-    options = {"hidden_size": HIDDEN, "num_heads": HEADS, "head_dim": HEAD_DIM, **options}
+    options = {**options, **extra}
     torch.manual_seed(0)
     module = module_type(chunk_size=4, dtype=torch.float64, **options)
-    with torch.no_grad():  # a norm weight away from ones, so that a wrong one shows
-        module.o_norm.weight.uniform_(0.5, 1.5)
+    with torch.no_grad():  # norm weights away from ones, so that a wrong one shows
+        for n, p in module.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
     layer = layer_type.from_torch_state_dict(module.state_dict(), chunk_size=4, **options)
     return module, options, layer
 
@@ -89,7 +99,11 @@ def assert_caches_close(got, want):
     assert len(got.conv_state) == len(want.conv_state)
     for mine, theirs in zip(got.conv_state, want.conv_state):
         assert_close(mine, theirs)
-    assert_close(got.recurrent_state, want.recurrent_state)
+    # a matrix state, or a LinearAttentionState (GLA, Mamba-2)
+    mine, theirs = jax.tree.leaves(got.recurrent_state), jax.tree.leaves(want.recurrent_state)
+    assert len(mine) == len(theirs)
+    for a, b in zip(mine, theirs):
+        assert_close(np.broadcast_to(np.asarray(a), tuple(b.shape)), b)
 
 
 def to_jax(cache):
@@ -129,7 +143,7 @@ def test_layer_is_the_torch_module(name, rng):
     assert_caches_close(cache, want_cache)
 
 
-@pytest.mark.parametrize("name", ["gdn", "kda"])
+@pytest.mark.parametrize("name", ["gdn", "kda", "gla", "mamba2"])
 def test_gradients_are_torchs_by_name(name, rng):
     """``nnx.grad`` under ``nnx.jit``: the gradient of each parameter is torch's of the same
     name."""
@@ -145,6 +159,41 @@ def test_gradients_are_torchs_by_name(name, rng):
     assert set(got) == {n for n, _ in module.named_parameters()}
     for n, p in module.named_parameters():
         assert_close(got[n][...], p.grad, rtol=1e-9)
+
+
+def test_rwkv7_later_layer_takes_v_first_as_torchs(rng):
+    """A later RWKV-7 layer (with ``v_lora``) given the first layer's values: the sequence,
+    its cache, a step and the gradients (of the parameters and of ``v_first``) are torch's."""
+    module, _, layer = make("rwkv7", layer_idx=1)
+    x, v_first = inputs(rng, T=8), rng.standard_normal((2, 8, HIDDEN))
+    with torch.no_grad():
+        want, want_cache = module(
+            torch.from_numpy(x[:, :7]), v_first=torch.from_numpy(v_first[:, :7]),
+            return_cache=True,
+        )  # fmt: skip
+        want_t, _ = module.step(
+            torch.from_numpy(x[:, 7]), want_cache, v_first=torch.from_numpy(v_first[:, 7])
+        )
+    run = nnx.jit(lambda layer, x, v: layer(x, v_first=v, return_cache=True))
+    got, cache = run(layer, jnp.asarray(x[:, :7]), jnp.asarray(v_first[:, :7]))
+    assert_close(got, want)
+    assert_caches_close(cache, want_cache)
+    one = nnx.jit(lambda layer, x_t, cache, v: layer.step(x_t, cache, v_first=v))
+    y_t, _ = one(layer, jnp.asarray(x[:, 7]), cache, jnp.asarray(v_first[:, 7]))
+    assert_close(y_t, want_t)
+    v = torch.from_numpy(v_first).requires_grad_()
+    (module(torch.from_numpy(x), v_first=v) ** 2).sum().backward()
+
+    @nnx.jit
+    def grads(layer, x, v):
+        return nnx.grad(lambda layer, v: (layer(x, v_first=v) ** 2).sum(), argnums=(0, 1))(layer, v)
+
+    g_layer, g_v = grads(layer, jnp.asarray(x), jnp.asarray(v_first))
+    assert_close(g_v, v.grad, rtol=1e-9)
+    for n, p in module.named_parameters():
+        assert_close(g_layer["params"][n][...], p.grad, rtol=1e-9)
+    with pytest.raises(TypeError, match="pass v_first"):
+        layer(jnp.asarray(x))
 
 
 def test_jit_of_call_and_step_are_the_whole_sequence(rng):

@@ -1,8 +1,9 @@
 """Flax NNX layers on :mod:`polylin.blocks` (this subpackage imports JAX and Flax; the core
 does not).
 
-- :class:`GatedDeltaNet`, :class:`KimiDeltaAttention`: the blocks of those models, with the
-  keywords, call and parameter names of :mod:`polylin.torch`'s (and ``fla.layers``').
+- :class:`GatedDeltaNet`, :class:`KimiDeltaAttention`, :class:`GatedLinearAttention`,
+  :class:`Mamba2`, :class:`RWKV7Attention`: the blocks of those models, with the keywords,
+  call and parameter names of :mod:`polylin.torch`'s (and ``fla.layers``').
 
 Each holds its parameters as ``nnx.Param``s keyed by the torch module's state-dict names and
 computes with the block's functions of :mod:`polylin.blocks`: a torch state dict loads by name
@@ -21,6 +22,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without flax
     raise ImportError("polylin.flax needs Flax: pip install 'polylin[flax]'") from exc
 
 from .gated_deltanet import GatedDeltaNet
+from .gla import GatedLinearAttention
 from .kda import KimiDeltaAttention
+from .mamba2 import Mamba2
+from .rwkv7 import RWKV7Attention
 
-__all__ = ["GatedDeltaNet", "KimiDeltaAttention"]
+__all__ = [
+    "GatedDeltaNet",
+    "GatedLinearAttention",
+    "KimiDeltaAttention",
+    "Mamba2",
+    "RWKV7Attention",
+]

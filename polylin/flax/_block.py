@@ -117,17 +117,41 @@ class Block(nnx.Module):
         read: set[str] = set()
         options = dict(self.options)
 
-        def one_token(arrays: dict[str, Any], x_t: Any) -> Any:
-            return type(self)._block_step(_Reading(arrays, read), x_t, None, **options)
+        def one_token(arrays: dict[str, Any], x_t: Any, inputs: dict[str, Any]) -> Any:
+            return type(self)._block_step(_Reading(arrays, read), x_t, None, **inputs, **options)
 
         x_t = jax.ShapeDtypeStruct((1, self.hidden_size), self.dtype)
-        jax.eval_shape(one_token, self._arrays(), x_t)
+        jax.eval_shape(one_token, self._arrays(), x_t, self._step_inputs())
         unused = sorted(set(self.params) - read)
         if unused:
             raise ValueError(
                 f"{type(self).__name__}: the parameters {unused} are not this block's (with "
                 f"its options {options})"
             )
+
+    def _step_inputs(self) -> dict[str, Any]:
+        """The inputs besides ``x_t`` that one token of this block needs (abstract arrays for
+        the load's check)."""
+        return {}
+
+    def _sequence(
+        self, x: Any, attention_mask: Any, cache: Any, return_cache: bool, **inputs: Any
+    ) -> Any:
+        """The block function on the parameters, checked inputs and the options."""
+        x = self._input(x, "x")
+        mask = None if attention_mask is None else jnp.asarray(attention_mask)
+        return type(self)._block(
+            self._arrays(), x, attention_mask=mask, cache=cache, return_cache=return_cache,
+            **inputs, **dict(self.options),
+        )  # fmt: skip
+
+    def _token(self, x_t: Any, cache: Any, attention_mask: Any, **inputs: Any) -> Any:
+        """The step function on the parameters, checked inputs and the options."""
+        x_t = self._input(x_t, "x_t")
+        mask = None if attention_mask is None else jnp.asarray(attention_mask)
+        return type(self)._block_step(
+            self._arrays(), x_t, cache, attention_mask=mask, **inputs, **dict(self.options)
+        )
 
     def _input(self, x: Any, name: str) -> Any:
         x = jnp.asarray(x)
@@ -176,12 +200,7 @@ class Block(nnx.Module):
         >>> y.shape, bool((y[0, :2] == 0).all())
         ((2, 6, 16), True)
         """
-        x = self._input(x, "x")
-        mask = None if attention_mask is None else jnp.asarray(attention_mask)
-        return type(self)._block(
-            self._arrays(), x, attention_mask=mask, cache=cache, return_cache=return_cache,
-            **dict(self.options),
-        )  # fmt: skip
+        return self._sequence(x, attention_mask, cache, return_cache)
 
     def step(
         self, x_t: Any, cache: BlockCache | None = None, *, attention_mask: Any = None
@@ -216,11 +235,7 @@ class Block(nnx.Module):
         >>> y_t.shape
         (2, 16)
         """
-        x_t = self._input(x_t, "x_t")
-        mask = None if attention_mask is None else jnp.asarray(attention_mask)
-        return type(self)._block_step(
-            self._arrays(), x_t, cache, attention_mask=mask, **dict(self.options)
-        )
+        return self._token(x_t, cache, attention_mask)
 
     def state_dict(self) -> dict[str, jax.Array]:
         """The parameters by their state-dict names (the torch module's).
