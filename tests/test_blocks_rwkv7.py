@@ -383,8 +383,8 @@ def test_initializer_is_flas(rng):
     assert all(p.dtype == np.float32 for p in params.values())
     again = init_rwkv7(torch, hidden_size=32, head_dim=8, layer_idx=1, num_hidden_layers=4,
                        seed=3, dtype=torch.float64, **LORA)  # fmt: skip
-    for n, p in params.items():
-        np.testing.assert_allclose(again[n].numpy(), p, rtol=1e-6, atol=1e-7)
+    for n, p in params.items():  # float32 against float64 (a float32 QR: ~3e-7 apart)
+        np.testing.assert_allclose(again[n].numpy(), p, rtol=1e-6, atol=1e-6)
     n = np.arange(32)
     linear = n / 31 - 0.5
     zigzag = ((n % 8) - 3.5) / 3.5

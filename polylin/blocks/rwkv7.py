@@ -456,6 +456,13 @@ def rwkv7_step(
     return tuple(out)
 
 
+class _BulkDraws(Draws):
+    """:class:`Draws` whose uniform draws are made in bulk (a 1024-wide layer has millions)."""
+
+    def uniform(self, shape: tuple[int, ...], low: float, high: float) -> Any:
+        return self.uniform_bulk(shape, low, high)
+
+
 def _low_rank(given: int | None, hidden_size: int, coefficient: float, factor: float) -> int:
     """fla's default LoRA width: ``coefficient * sqrt(hidden_size) * factor`` in multiples of
     32, at least 32."""
@@ -498,14 +505,16 @@ def init_rwkv7(
     ----------
     xp : namespace
         The array library to make them in (``numpy``, ``jax.numpy``, ``torch``, ...).
-    hidden_size, head_dim, num_heads, value_dim : int
-        fla's sizes, with its defaults (``head_dim``, when given, decides the heads).
+    hidden_size, head_dim, num_heads : int
+        The sizes, with fla's defaults (``head_dim``, when given, decides the heads).
     decay_low_rank_dim, gate_low_rank_dim, a_low_rank_dim, v_low_rank_dim : int, optional
         The LoRA widths; default fla's, from ``hidden_size`` and ``head_dim``.
     elementwise_affine : bool
         Whether the group norm has a weight and a bias.
     layer_idx, num_hidden_layers : int, optional
         The layer's depth in the model and the model's; layer 0 has no ``v_lora``.
+    value_dim : int, optional
+        Default ``hidden_size``.
     seed : int
         Seeds the draws (Python's ``random``): the same seed gives the same parameters on
         every library.
@@ -555,7 +564,7 @@ def init_rwkv7(
         "v": _low_rank(v_low_rank_dim, hidden_size, 1.7, factor),
         "g": _low_rank(gate_low_rank_dim, hidden_size, 5, 1.0),
     }
-    draws = Draws(xp, seed=seed, dtype=dtype, device=device)
+    draws = _BulkDraws(xp, seed=seed, dtype=dtype, device=device)
     p: dict[str, Any] = {}
     for n in "rwkvag":
         p[f"x_{n}"] = draws.xp.reshape(draws.zeros(hidden_size), (1, 1, hidden_size))
