@@ -21,10 +21,10 @@ class BlockCache(NamedTuple):
         order ``q``, ``k``, ``v`` (empty without short convolutions); RWKV-7's token shift:
         one state ``(batch, 1, hidden_size)``, the last real token.
     recurrent_state : array or polylin.LinearAttentionState
-        The recurrent state, ``(batch, num_v_heads, head_dim, head_v_dim)``; for GLA and
-        Mamba-2, the :class:`polylin.LinearAttentionState` ``(S, z)`` of their linear attention,
-        ``S`` ``(batch, num_heads, d_k, d_v)`` (RWKV-7:
-        ``(batch, num_heads, head_dim, head_v_dim)``).
+        The recurrent state, ``(batch, num_v_heads, head_dim, head_v_dim)`` (RWKV-7:
+        ``(batch, num_heads, head_dim, head_v_dim)``); for GLA and Mamba-2, the
+        :class:`polylin.LinearAttentionState` ``(S, z)`` of their linear attention, ``S``
+        ``(batch, num_heads, d_k, d_v)``.
 
     Examples
     --------
