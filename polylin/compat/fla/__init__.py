@@ -16,7 +16,8 @@ The ops: ``chunk_linear_attn``, ``chunk_simple_gla``, ``chunk_gla`` and their
 ``fused_recurrent_*`` twins, ``chunk_retention`` (linear attention and its gated forms);
 ``chunk_delta_rule``, ``chunk_gated_delta_rule``, ``chunk_kda`` and their twins (the delta
 family); ``chunk_dplr_delta_rule``, ``chunk_rwkv7``, their twins and
-``fused_mul_recurrent_rwkv7`` (the generalized delta rule, RWKV-7).
+``fused_mul_recurrent_rwkv7`` (the generalized delta rule, RWKV-7); ``chunk_rwkv6`` and
+``fused_recurrent_rwkv6`` (RWKV-6: GLA read before the update, plus a bonus).
 
 They translate arguments only: every number comes from :func:`polylin.causal_linear_attention`,
 :func:`polylin.delta_rule_attention` or :func:`polylin.dplr_delta_rule`. An fla option polylin
@@ -34,6 +35,7 @@ from .gla import chunk_gla, fused_recurrent_gla
 from .kda import chunk_kda, fused_recurrent_kda
 from .linear_attn import chunk_linear_attn, fused_recurrent_linear_attn
 from .retention import chunk_retention
+from .rwkv6 import chunk_rwkv6, fused_recurrent_rwkv6
 from .rwkv7 import chunk_rwkv7, fused_mul_recurrent_rwkv7, fused_recurrent_rwkv7
 from .simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
@@ -46,6 +48,7 @@ __all__ = [
     "chunk_kda",
     "chunk_linear_attn",
     "chunk_retention",
+    "chunk_rwkv6",
     "chunk_rwkv7",
     "chunk_simple_gla",
     "fused_mul_recurrent_rwkv7",
@@ -55,6 +58,7 @@ __all__ = [
     "fused_recurrent_gla",
     "fused_recurrent_kda",
     "fused_recurrent_linear_attn",
+    "fused_recurrent_rwkv6",
     "fused_recurrent_rwkv7",
     "fused_recurrent_simple_gla",
 ]

@@ -1,0 +1,171 @@
+"""polylin.compat.fla's newer variants (RWKV-6, ...) against float64 loops and fla's naive forms."""
+
+from __future__ import annotations
+
+import importlib.util
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from polylin.compat.fla import chunk_rwkv6, fused_recurrent_rwkv6
+
+RWKV6 = (chunk_rwkv6, fused_recurrent_rwkv6)
+F64 = {"rtol": 1e-10, "atol": 1e-10}
+F32 = {"rtol": 2e-5, "atol": 2e-5}
+
+
+def fla_reference(path: str) -> Any:
+    """A pure-PyTorch reference file of fla (``fla/ops/<path>``), loaded by path: fla's package
+    imports its Triton kernels, which have no CPU build."""
+    pytest.importorskip("torch")
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("fla-core is not installed (the bench extra pins fla-core==0.6.0)")
+    file = Path(spec.submodule_search_locations[0]) / "ops" / path
+    module_spec = importlib.util.spec_from_file_location("fla_ref_" + path.replace("/", "_"), file)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------------------------
+# RWKV-6
+# --------------------------------------------------------------------------------------------
+
+
+def rwkv6_loop(r, k, v, w, u, scale, S0):
+    """RWKV-6 token by token in float64.
+
+    ``o_t = scale r_t (S_{t-1} + diag(u) k_t v_t^T)``, ``S_t = diag(exp(w_t)) S_{t-1} + k_t v_t^T``;
+    inputs ``(B, T, H, d)``, ``S0`` ``(B, H, K, V)``.
+    """
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    S = np.zeros((B, H, K, V)) if S0 is None else np.array(S0, dtype=np.float64)
+    o = np.zeros((B, T, H, V))
+    for t in range(T):
+        kv = k[:, t, :, :, None] * v[:, t, :, None, :]
+        o[:, t] = scale * np.einsum("bhk,bhkv->bhv", r[:, t], S + u[None, :, :, None] * kv)
+        S = np.exp(w[:, t])[..., None] * S + kv
+    return o, S
+
+
+def rwkv6_inputs(seed=0, B=2, T=11, H=3, K=4, V=5):
+    rng = np.random.default_rng(seed)
+    return {
+        "r": rng.standard_normal((B, T, H, K)),
+        "k": rng.standard_normal((B, T, H, K)),
+        "v": rng.standard_normal((B, T, H, V)),
+        "w": -rng.uniform(0.01, 1.0, (B, T, H, K)),
+        "u": rng.standard_normal((H, K)),
+        "S0": rng.standard_normal((B, H, K, V)),
+    }
+
+
+@pytest.mark.parametrize("op", RWKV6)
+@pytest.mark.parametrize("scale", [None, 0.7])
+def test_rwkv6_equals_float64_loop(op, scale):
+    x = rwkv6_inputs()
+    want_o, want_S = rwkv6_loop(
+        x["r"], x["k"], x["v"], x["w"], x["u"], 4**-0.5 if scale is None else scale, x["S0"]
+    )
+    copies = {n: a.copy() for n, a in x.items()}
+    o, S = op(
+        x["r"], x["k"], x["v"], x["w"], x["u"], scale=scale, initial_state=x["S0"],
+        output_final_state=True,
+    )  # fmt: skip
+    np.testing.assert_allclose(o, want_o, **F64)
+    np.testing.assert_allclose(S, want_S, **F64)
+    for n, a in x.items():
+        np.testing.assert_array_equal(a, copies[n])  # inputs untouched
+    o2, none = op(x["r"], x["k"], x["v"], x["w"], x["u"], scale=scale)
+    assert none is None
+    want_o2, _ = rwkv6_loop(
+        x["r"], x["k"], x["v"], x["w"], x["u"], 4**-0.5 if scale is None else scale, None
+    )
+    np.testing.assert_allclose(o2, want_o2, **F64)
+
+
+@pytest.mark.parametrize("op", RWKV6)
+def test_rwkv6_packed_sequences_equal_separate_calls(op):
+    x = rwkv6_inputs(seed=1, B=1, T=12)
+    offsets = [0, 5, 5, 6, 12]  # an empty sequence and a one-token one
+    rng = np.random.default_rng(2)
+    S0 = rng.standard_normal((4, 3, 4, 5))
+    o, S = op(
+        x["r"], x["k"], x["v"], x["w"], x["u"], initial_state=S0, output_final_state=True,
+        cu_seqlens=np.asarray(offsets),
+    )  # fmt: skip
+    for n, (b, e) in enumerate(pairwise(offsets)):
+        part = {name: x[name][:, b:e] for name in "rkvw"}
+        want_o, want_S = rwkv6_loop(**part, u=x["u"], scale=0.5, S0=S0[n : n + 1])
+        np.testing.assert_allclose(o[:, b:e], want_o, **F64)
+        np.testing.assert_allclose(S[n : n + 1], want_S, **F64)
+
+
+def test_rwkv6_torch_values_and_gradients():
+    torch = pytest.importorskip("torch")
+    x = rwkv6_inputs(seed=3, T=9)
+    names = ("r", "k", "v", "w", "u", "S0")
+    for op in RWKV6:
+        ours = {n: torch.tensor(x[n], requires_grad=True) for n in names}
+        ref = {n: torch.tensor(x[n], requires_grad=True) for n in names}
+        o, S = op(
+            ours["r"], ours["k"], ours["v"], ours["w"], ours["u"], initial_state=ours["S0"],
+            output_final_state=True,
+        )  # fmt: skip
+        assert isinstance(o, torch.Tensor) and o.dtype == torch.float64
+        # the loop in torch, for autograd
+        Sr = ref["S0"]
+        outs = []
+        for t in range(9):
+            kv = ref["k"][:, t, :, :, None] * ref["v"][:, t, :, None, :]
+            outs.append(0.5 * torch.einsum("bhk,bhkv->bhv", ref["r"][:, t],
+                                           Sr + ref["u"][None, :, :, None] * kv))  # fmt: skip
+            Sr = torch.exp(ref["w"][:, t])[..., None] * Sr + kv
+        o_ref = torch.stack(outs, dim=1)
+        np.testing.assert_allclose(o.detach().numpy(), o_ref.detach().numpy(), **F64)
+        np.testing.assert_allclose(S.detach().numpy(), Sr.detach().numpy(), **F64)
+        go = np.random.default_rng(4).standard_normal(tuple(o.shape))
+        gS = np.random.default_rng(5).standard_normal(tuple(S.shape))
+        ((o * torch.tensor(go)).sum() + (S * torch.tensor(gS)).sum()).backward()
+        ((o_ref * torch.tensor(go)).sum() + (Sr * torch.tensor(gS)).sum()).backward()
+        for n in names:
+            np.testing.assert_allclose(ours[n].grad.numpy(), ref[n].grad.numpy(), **F64)
+
+
+def test_rwkv6_equals_fla_naive():
+    torch = pytest.importorskip("torch")
+    naive = fla_reference("rwkv6/recurrent_naive.py")
+    x = rwkv6_inputs(seed=6)
+    head_first = [torch.tensor(x[n]).transpose(1, 2) for n in "rkvw"]
+    want_o, want_S = naive.naive_recurrent_rwkv6(
+        *head_first, torch.tensor(x["u"]), scale=0.3, initial_state=torch.tensor(x["S0"]),
+        output_final_state=True,
+    )  # fmt: skip
+    for op in RWKV6:
+        o, S = op(
+            *(torch.tensor(x[n]) for n in "rkvwu"), scale=0.3,
+            initial_state=torch.tensor(x["S0"]), output_final_state=True,
+        )  # fmt: skip
+        np.testing.assert_allclose(o.numpy(), want_o.transpose(1, 2).numpy(), **F32)
+        np.testing.assert_allclose(S.numpy(), want_S.numpy(), **F32)
+
+
+def test_rwkv6_rejects_what_it_does_not_compute():
+    x = rwkv6_inputs(T=4)
+    args = tuple(x[n] for n in "rkvwu")
+    with pytest.raises(NotImplementedError, match="reverse"):
+        fused_recurrent_rwkv6(*args, reverse=True)
+    with pytest.raises(NotImplementedError, match="foo"):
+        chunk_rwkv6(*args, foo=1)
+    with pytest.raises(ValueError, match="`u` must have shape"):
+        chunk_rwkv6(*args[:4], x["u"][:, :2])
+    with pytest.raises(ValueError, match="`w` must have the shape of `k`"):
+        chunk_rwkv6(*args[:3], x["w"][..., :2], x["u"])
+    with pytest.raises(TypeError, match="u"):
+        chunk_rwkv6(*args[:4], np.ones((3, 4), dtype=np.int64))
