@@ -161,6 +161,7 @@ def test_equals_the_per_channel_gla_form(rng):
     np.testing.assert_allclose(np.swapaxes(out[..., 0], 1, 2), want, atol=1e-12, rtol=0)
 
 
+@pytest.mark.slow_grid(prefer={"first": "chunked"})
 @pytest.mark.parametrize("first, second", [("chunked", "recurrent"), ("quadratic", "chunked")])
 def test_split_and_resume(backend, rng, first, second):
     x, dt, A, B, C = make_inputs(rng)
@@ -216,6 +217,7 @@ def test_step_from_zero_and_shared_state(rng):
     assert h.shape == (2, CH, N)
 
 
+@pytest.mark.slow_grid(prefer={"method": "chunked"})
 @pytest.mark.parametrize("method", SELECTIVE_METHODS)
 def test_padding(backend, rng, method):
     """Left and right padding holding NaN: the real tokens' outputs and the final state are
@@ -238,6 +240,7 @@ def test_padding(backend, rng, method):
     close(backend, state, want_state)
 
 
+@pytest.mark.slow_grid(prefer={"method": "chunked"})
 @pytest.mark.parametrize("method", SELECTIVE_METHODS)
 def test_cu_seqlens(backend, rng, method):
     """Packed sequences, each from its own initial state, with A per head."""
@@ -261,6 +264,7 @@ def test_cu_seqlens(backend, rng, method):
         np.testing.assert_allclose(got_state[:, :, i], want_state, atol=ATOL64, rtol=0)
 
 
+@pytest.mark.slow_grid(prefer={"method": "chunked"})
 @pytest.mark.parametrize("method", SELECTIVE_METHODS)
 def test_seq_axis(backend, rng, method):
     """(T, batch, d) inputs with seq_axis=0; the output keeps the layout."""
@@ -315,7 +319,7 @@ def test_gradients_torch(rng):
 
 def test_gradients_torch_match_finite_differences(rng):
     torch = needs(Backend.TORCH)
-    arrays, out_weight, state_weight = _loss_inputs(rng, length=6)
+    arrays, out_weight, state_weight = _loss_inputs(rng, length=5)
     xs = [torch.tensor(a, requires_grad=True) for a in arrays]
 
     def loss(*xs):
@@ -330,7 +334,7 @@ def test_gradients_jax(rng):
     needs(Backend.JAX)
     import jax
 
-    arrays, out_weight, state_weight = _loss_inputs(rng, length=7)
+    arrays, out_weight, state_weight = _loss_inputs(rng, length=5)
     xs = [Backend.JAX.from_numpy(a) for a in arrays]
 
     def loss(*xs, method):
