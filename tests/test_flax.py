@@ -261,6 +261,21 @@ def test_drawn_parameters_are_the_blocks_initializer():
     assert f64.dtype == jnp.float64
 
 
+@pytest.mark.parametrize("name", sorted({"gdn", "kda", "gla", "mamba2", "rwkv7"}))
+def test_signature_is_the_torch_modules_plus_flax_keywords(name):
+    """``inspect.signature`` (help(), the docs) shows the layer's keywords, not Flax's
+    metaclass's ``*args, **kwargs``: the torch module's, then params, dtype, device, seed,
+    rngs."""
+    import inspect
+
+    module_type, layer_type, _ = LAYERS[name]
+    theirs = inspect.signature(module_type).parameters
+    mine = inspect.signature(layer_type).parameters
+    assert set(mine) - {"params", "seed", "rngs"} == set(theirs)
+    for n, p in theirs.items():  # the same default, positional or keyword-only
+        assert (mine[n].kind, mine[n].default) == (p.kind, p.default), n
+
+
 def test_load_state_dict_and_numpy_serves_the_state_dict(rng):
     module, options, loaded = make("gdn")
     layer = pf.GatedDeltaNet(dtype=jnp.float64, chunk_size=4, **options)

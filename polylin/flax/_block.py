@@ -69,6 +69,14 @@ class Block(nnx.Module):
     _block_step: ClassVar[Callable[..., Any]]
     _init: ClassVar[Callable[..., dict[str, Any]]]
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Flax's metaclass makes ``inspect.signature(cls)`` that of its ``__call__`` (``*args,
+        # **kwargs``): the layer's own keywords are its ``__init__``'s, for help() and the docs.
+        init = inspect.signature(cls.__init__)
+        signature = init.replace(parameters=list(init.parameters.values())[1:])
+        cls.__signature__ = signature  # type: ignore[attr-defined]
+
     def __init__(
         self,
         options: dict[str, Any],
