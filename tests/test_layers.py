@@ -342,54 +342,6 @@ def test_gradients_chunked_equal_recurrent_and_skip_padding(name, rng) -> None:
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
-def saved_bytes(fn):
-    """``fn()`` and the bytes of the distinct storages autograd saves for its backward."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        return fn(), sum(storages.values())
-
-
-@pytest.mark.parametrize("method", ["chunked", "recurrent", "quadratic"])
-@pytest.mark.parametrize("name", ["gla-conv-mqa-sigmoid", "mamba2", "mamba2-groups"])
-def test_grouped_heads_are_not_copied_per_head(name, method, rng, monkeypatch) -> None:
-    """GLA's shared key/value heads and Mamba-2's shared B and C reach polylin with a size-1
-    group axis, and the forward keeps less for the backward than the same layer with those
-    tensors copied per head before the call, by at least the copies' bytes."""
-    import polylin.torch.gla
-    import polylin.torch.mamba2
-
-    module = polylin.torch.gla if name.startswith("gla") else polylin.torch.mamba2
-    layer, _ = make(name, method=method, chunk_size=8)
-    x = torch.tensor(rng.standard_normal((2, 32, HIDDEN)), requires_grad=True)
-    shared = []
-
-    def watched(q, k, v, *args, log_decay, **options):
-        shared.extend(t for t in (q, k, v, log_decay) if t.shape[-2] == 1)
-        return causal_linear_attention(q, k, v, *args, log_decay=log_decay, **options)
-
-    def expanded(q, k, v, *args, log_decay, **options):
-        lead = torch.broadcast_shapes(*(t.shape[:-1] for t in (q, k, v, log_decay)))
-        q, k, v, log_decay = (
-            t.expand(*lead, t.shape[-1]).contiguous() for t in (q, k, v, log_decay)
-        )
-        return causal_linear_attention(q, k, v, *args, log_decay=log_decay, **options)
-
-    monkeypatch.setattr(module, "causal_linear_attention", watched)
-    out, grouped = saved_bytes(lambda: layer(x))
-    copies = layer.num_heads // (layer.num_kv_heads if name.startswith("gla") else layer.n_groups)
-    assert copies > 1 and len(shared) == (3 if name.startswith("gla") else 2)  # k, v, g or B, C
-    monkeypatch.setattr(module, "causal_linear_attention", expanded)
-    want, repeated = saved_bytes(lambda: layer(x))
-    torch.testing.assert_close(out, want)
-    copy_bytes = (copies - 1) * sum(t.numel() * t.element_size() for t in shared)
-    assert grouped <= repeated - copy_bytes
-
-
 def param_count_formula(layer) -> int:
     """The docstrings' formulas."""
     if isinstance(layer, KimiDeltaAttention):
