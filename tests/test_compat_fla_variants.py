@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from polylin.compat.fla import chunk_rwkv6, fused_recurrent_rwkv6
+from polylin.compat.fla import chunk_gated_delta_product, chunk_rwkv6, fused_recurrent_rwkv6
 
 RWKV6 = (chunk_rwkv6, fused_recurrent_rwkv6)
 F64 = {"rtol": 1e-10, "atol": 1e-10}
@@ -169,3 +169,134 @@ def test_rwkv6_rejects_what_it_does_not_compute():
         chunk_rwkv6(*args[:3], x["w"][..., :2], x["u"])
     with pytest.raises(TypeError, match="u"):
         chunk_rwkv6(*args[:4], np.ones((3, 4), dtype=np.int64))
+
+
+# --------------------------------------------------------------------------------------------
+# Gated DeltaProduct
+# --------------------------------------------------------------------------------------------
+
+
+def gdp_loop(xp, q, k, v, g, beta, n, scale, S0):
+    """Gated DeltaProduct token by token (``xp``: numpy or torch, float64).
+
+    Decay once per token, then ``n`` delta-rule steps, then read; ``S0`` ``(B, H, K, V)``.
+    """
+    S = S0
+    outs = []
+    for t in range(q.shape[1]):
+        if g is not None:
+            S = S * xp.exp(g[:, t])[..., None, None]
+        for j in range(n):
+            kj, vj, bj = k[:, t * n + j], v[:, t * n + j], beta[:, t * n + j]
+            read = (S * kj[..., None]).sum(-2)
+            S = S + bj[..., None, None] * kj[..., None] * (vj - read)[..., None, :]
+        outs.append(scale * (S * q[:, t][..., None]).sum(-2))
+    return (xp.stack(outs, 1) if outs else v[:, :0] * 0), S
+
+
+def gdp_inputs(seed=0, B=2, T=7, H=3, K=4, V=5, n=3):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, T * n, H, K))
+    return {
+        "q": rng.standard_normal((B, T, H, K)),
+        "k": k / np.linalg.norm(k, axis=-1, keepdims=True),
+        "v": rng.standard_normal((B, T * n, H, V)),
+        "g": -rng.uniform(0.01, 1.0, (B, T, H)),
+        "beta": rng.uniform(0.05, 1.0, (B, T * n, H)),
+        "S0": rng.standard_normal((B, H, K, V)),
+    }
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("gated", [True, False])
+def test_gated_delta_product_equals_float64_loop(n, gated):
+    x = gdp_inputs(n=n)
+    g = x["g"] if gated else None
+    want_o, want_S = gdp_loop(np, x["q"], x["k"], x["v"], g, x["beta"], n, 0.5, x["S0"])
+    copies = {name: a.copy() for name, a in x.items()}
+    o, S = chunk_gated_delta_product(
+        x["q"], x["k"], x["v"], g, x["beta"], n, initial_state=x["S0"], output_final_state=True
+    )
+    np.testing.assert_allclose(o, want_o, **F64)
+    np.testing.assert_allclose(S, want_S, **F64)
+    for name, a in x.items():
+        np.testing.assert_array_equal(a, copies[name])
+    o2, none = chunk_gated_delta_product(x["q"], x["k"], x["v"], g, x["beta"], n, scale=0.3)
+    assert none is None
+    zero = np.zeros_like(x["S0"])
+    np.testing.assert_allclose(
+        o2, gdp_loop(np, x["q"], x["k"], x["v"], g, x["beta"], n, 0.3, zero)[0], **F64
+    )
+
+
+def test_gated_delta_product_qk_l2norm_and_packed_sequences():
+    n = 2
+    x = gdp_inputs(seed=1, B=1, T=9, n=n)
+    offsets = [0, 4, 4, 9]
+    S0 = np.random.default_rng(2).standard_normal((3, 3, 4, 5))
+    raw_k = x["k"] * 3.0
+    o, S = chunk_gated_delta_product(
+        x["q"], raw_k, x["v"], x["g"], x["beta"], n, initial_state=S0, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=np.asarray(offsets),
+    )  # fmt: skip
+    q_unit = x["q"] / np.sqrt((x["q"] ** 2).sum(-1, keepdims=True) + 1e-6)
+    k_unit = raw_k / np.sqrt((raw_k**2).sum(-1, keepdims=True) + 1e-6)
+    for i, (b, e) in enumerate(pairwise(offsets)):
+        want_o, want_S = gdp_loop(
+            np, q_unit[:, b:e], k_unit[:, b * n : e * n], x["v"][:, b * n : e * n],
+            x["g"][:, b:e], x["beta"][:, b * n : e * n], n, 0.5, S0[i : i + 1],
+        )  # fmt: skip
+        np.testing.assert_allclose(o[:, b:e], want_o, **F64)
+        np.testing.assert_allclose(S[i : i + 1], want_S, **F64)
+
+
+def test_gated_delta_product_torch_gradients():
+    torch = pytest.importorskip("torch")
+    n = 2
+    x = gdp_inputs(seed=3, T=6, n=n)
+    names = ("q", "k", "v", "g", "beta", "S0")
+    ours = {name: torch.tensor(x[name], requires_grad=True) for name in names}
+    ref = {name: torch.tensor(x[name], requires_grad=True) for name in names}
+    o, S = chunk_gated_delta_product(
+        *(ours[name] for name in names[:5]), n, initial_state=ours["S0"], output_final_state=True
+    )
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.float64
+    o_ref, S_ref = gdp_loop(torch, *(ref[name] for name in names[:5]), n, 0.5, ref["S0"])
+    np.testing.assert_allclose(o.detach().numpy(), o_ref.detach().numpy(), **F64)
+    np.testing.assert_allclose(S.detach().numpy(), S_ref.detach().numpy(), **F64)
+    rng = np.random.default_rng(4)
+    go, gS = (torch.tensor(rng.standard_normal(tuple(a.shape))) for a in (o, S))
+    ((o * go).sum() + (S * gS).sum()).backward()
+    ((o_ref * go).sum() + (S_ref * gS).sum()).backward()
+    for name in names:
+        np.testing.assert_allclose(ours[name].grad.numpy(), ref[name].grad.numpy(), **F64)
+
+
+def test_gated_delta_product_equals_fla_naive():
+    torch = pytest.importorskip("torch")
+    naive = fla_reference("gated_delta_product/naive.py")
+    n = 3
+    x = gdp_inputs(seed=5, n=n)
+    args = [torch.tensor(x[name]) for name in ("q", "k", "v", "g", "beta")]
+    want_o, want_S = naive.naive_recurrent_gated_delta_product(
+        *args, 0.5, initial_state=torch.tensor(x["S0"]), output_final_state=True,
+        num_householder=n,
+    )  # fmt: skip
+    o, S = chunk_gated_delta_product(
+        *args, n, initial_state=torch.tensor(x["S0"]), output_final_state=True
+    )
+    np.testing.assert_allclose(o.numpy(), want_o.numpy(), **F32)
+    np.testing.assert_allclose(S.numpy(), want_S.numpy(), **F32)
+
+
+def test_gated_delta_product_rejects_bad_shapes_and_options():
+    x = gdp_inputs(T=4, n=2)
+    args = [x[name] for name in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(ValueError, match="`k` must have shape"):
+        chunk_gated_delta_product(*args, 3)
+    with pytest.raises(ValueError, match="`g` must have shape"):
+        chunk_gated_delta_product(args[0], args[1], args[2], args[4], args[4], 2)
+    with pytest.raises(ValueError, match="num_householder"):
+        chunk_gated_delta_product(*args, 0)
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        chunk_gated_delta_product(*args, 2, cp_context=object())
