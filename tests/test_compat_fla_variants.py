@@ -10,7 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from polylin.compat.fla import chunk_gated_delta_product, chunk_rwkv6, fused_recurrent_rwkv6
+from polylin.compat.fla import (
+    chunk_comba,
+    chunk_gated_delta_product,
+    chunk_rwkv6,
+    fused_recurrent_comba,
+    fused_recurrent_rwkv6,
+)
 
 RWKV6 = (chunk_rwkv6, fused_recurrent_rwkv6)
 F64 = {"rtol": 1e-10, "atol": 1e-10}
@@ -300,3 +306,146 @@ def test_gated_delta_product_rejects_bad_shapes_and_options():
         chunk_gated_delta_product(*args, 0)
     with pytest.raises(NotImplementedError, match="cp_context"):
         chunk_gated_delta_product(*args, 2, cp_context=object())
+
+
+# --------------------------------------------------------------------------------------------
+# Comba
+# --------------------------------------------------------------------------------------------
+
+
+def comba_loop(xp, q, k, v, p, g, beta, scale, S0):
+    """Comba token by token (``xp``: numpy or torch, float64), as fla's kernels compute it.
+
+    ``S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - S_{t-1}^T p_t)^T``, ``o_t = scale S_t^T q_t``;
+    ``q, k, p`` ``(B, T, H, K)`` serve ``HV // H`` consecutive value heads each.
+    """
+    G = v.shape[2] // q.shape[2]
+    q, k, p = (xp.repeat_interleave(x, G, 2) if xp is not np else np.repeat(x, G, 2)
+               for x in (q, k, p))  # fmt: skip
+    S = S0
+    outs = []
+    for t in range(q.shape[1]):
+        read = (S * p[:, t][..., None]).sum(-2)
+        S = (
+            S * xp.exp(g[:, t])[..., None, None]
+            + k[:, t][..., None] * (beta[:, t][..., None] * (v[:, t] - read))[..., None, :]
+        )
+        outs.append(scale * (S * q[:, t][..., None]).sum(-2))
+    return (xp.stack(outs, 1) if outs else v[:, :0] * 0), S
+
+
+def comba_inputs(seed=0, B=2, T=10, H=2, HV=4, K=4, V=5):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, T, H, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    return {
+        "q": rng.standard_normal((B, T, H, K)),
+        "k": k,
+        "v": rng.standard_normal((B, T, HV, V)),
+        "p": k * rng.uniform(0.2, 1.0, (B, T, H, 1)),
+        "g": -rng.uniform(0.01, 1.0, (B, T, HV)),
+        "beta": rng.uniform(0.05, 1.0, (B, T, HV)),
+        "S0": rng.standard_normal((B, HV, K, V)),
+    }
+
+
+def call_comba(op, q, k, v, p, g, beta, **options):
+    """Each op in fla's own order: ``chunk_comba(q, k, v, p)``, the recurrent ``(q, k, p, v)``."""
+    if op is chunk_comba:
+        return op(q, k, v, p, g, beta, **options)
+    return op(q, k, p, v, g, beta, **options)
+
+
+@pytest.mark.parametrize("op", [chunk_comba, fused_recurrent_comba])
+@pytest.mark.parametrize("HV", [2, 4])
+def test_comba_equals_float64_loop(op, HV):
+    x = comba_inputs(HV=HV)
+    copies = {name: a.copy() for name, a in x.items()}
+    names = ("q", "k", "v", "p", "g", "beta")
+    want_o, want_S = comba_loop(np, *(x[name] for name in names), 0.5, x["S0"])
+    o, S = call_comba(op, *(x[name] for name in names), initial_state=x["S0"],
+                      output_final_state=True)  # fmt: skip
+    np.testing.assert_allclose(o, want_o, **F64)
+    np.testing.assert_allclose(S, want_S, **F64)
+    for name, a in x.items():
+        np.testing.assert_array_equal(a, copies[name])
+    # p=None is k, beta=None is 1; scale; no initial state
+    zero = np.zeros_like(x["S0"])
+    ones = np.ones_like(x["beta"])
+    o2, none = call_comba(op, x["q"], x["k"], x["v"], None, x["g"], None, scale=0.3)
+    assert none is None
+    want2, _ = comba_loop(np, x["q"], x["k"], x["v"], x["k"], x["g"], ones, 0.3, zero)
+    np.testing.assert_allclose(o2, want2, **F64)
+
+
+def test_comba_qk_l2norm_and_packed_sequences():
+    x = comba_inputs(seed=1, B=1, T=9)
+    offsets = [0, 3, 3, 9]
+    S0 = np.random.default_rng(2).standard_normal((3, 4, 4, 5))
+    raw = {name: x[name] * 2.5 for name in ("q", "k", "p")}
+    o, S = chunk_comba(
+        raw["q"], raw["k"], x["v"], raw["p"], x["g"], x["beta"], initial_state=S0,
+        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=np.asarray(offsets),
+    )  # fmt: skip
+    unit = {n: a / np.sqrt((a**2).sum(-1, keepdims=True) + 1e-6) for n, a in raw.items()}
+    for i, (b, e) in enumerate(pairwise(offsets)):
+        want_o, want_S = comba_loop(
+            np, unit["q"][:, b:e], unit["k"][:, b:e], x["v"][:, b:e], unit["p"][:, b:e],
+            x["g"][:, b:e], x["beta"][:, b:e], 0.5, S0[i : i + 1],
+        )  # fmt: skip
+        np.testing.assert_allclose(o[:, b:e], want_o, **F64)
+        np.testing.assert_allclose(S[i : i + 1], want_S, **F64)
+
+
+def test_comba_torch_gradients():
+    torch = pytest.importorskip("torch")
+    x = comba_inputs(seed=3, T=7)
+    names = ("q", "k", "v", "p", "g", "beta", "S0")
+    for op in (chunk_comba, fused_recurrent_comba):
+        ours = {name: torch.tensor(x[name], requires_grad=True) for name in names}
+        ref = {name: torch.tensor(x[name], requires_grad=True) for name in names}
+        o, S = call_comba(op, *(ours[name] for name in names[:6]), initial_state=ours["S0"],
+                          output_final_state=True)  # fmt: skip
+        assert isinstance(o, torch.Tensor) and o.dtype == torch.float64
+        o_ref, S_ref = comba_loop(torch, *(ref[name] for name in names[:6]), 0.5, ref["S0"])
+        np.testing.assert_allclose(o.detach().numpy(), o_ref.detach().numpy(), **F64)
+        np.testing.assert_allclose(S.detach().numpy(), S_ref.detach().numpy(), **F64)
+        rng = np.random.default_rng(4)
+        go, gS = (torch.tensor(rng.standard_normal(tuple(a.shape))) for a in (o, S))
+        ((o * go).sum() + (S * gS).sum()).backward()
+        ((o_ref * go).sum() + (S_ref * gS).sum()).backward()
+        for name in names:
+            np.testing.assert_allclose(ours[name].grad.numpy(), ref[name].grad.numpy(), **F64)
+
+
+def test_comba_equals_fla_naive_chunk():
+    """fla's ``naive_chunk_comba`` (the form of its kernels); its ``naive_recurrent_comba``
+    reads the decayed state, another recurrence, which the twins do not follow."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("einops")
+    naive = fla_reference("comba/naive.py")
+    x = comba_inputs(seed=5, HV=2, T=20)
+    t = {name: torch.tensor(a) for name, a in x.items()}
+    want_o, want_S = naive.naive_chunk_comba(
+        t["q"], t["k"], t["v"], t["p"], t["g"], t["beta"], chunk_size=8,
+        initial_state=t["S0"], output_final_state=True,
+    )  # fmt: skip
+    for op in (chunk_comba, fused_recurrent_comba):
+        o, S = call_comba(op, t["q"], t["k"], t["v"], t["p"], t["g"], t["beta"],
+                          initial_state=t["S0"], output_final_state=True)  # fmt: skip
+        np.testing.assert_allclose(o.numpy(), want_o.numpy(), **F32)
+        np.testing.assert_allclose(S.numpy(), want_S.numpy(), **F32)
+    other, _ = naive.naive_recurrent_comba(
+        t["q"], t["k"], t["v"], t["p"], t["beta"], t["g"], initial_state=t["S0"]
+    )
+    assert not np.allclose(other.numpy(), want_o.numpy(), atol=1e-3)
+
+
+def test_comba_rejects_bad_heads():
+    x = comba_inputs(T=4)
+    with pytest.raises(ValueError, match="same number of heads"):
+        chunk_comba(x["q"], x["k"], x["v"], x["p"][:, :, :1], x["g"], x["beta"])
+    with pytest.raises(ValueError, match="multiple of the heads"):
+        chunk_comba(x["q"], x["k"], x["v"][:, :, :3], x["p"], x["g"][..., :3], x["beta"][..., :3])
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        chunk_comba(x["q"], x["k"], x["v"], x["p"], x["g"], x["beta"], chunk_size=64)

@@ -15,7 +15,8 @@ which compute a wrong answer) warns with a ``UserWarning``.
 The ops: ``chunk_linear_attn``, ``chunk_simple_gla``, ``chunk_gla`` and their
 ``fused_recurrent_*`` twins, ``chunk_retention`` (linear attention and its gated forms);
 ``chunk_delta_rule``, ``chunk_gated_delta_rule``, ``chunk_kda`` and their twins (the delta
-family), ``chunk_gated_delta_product`` (several delta steps per token);
+family), ``chunk_gated_delta_product`` (several delta steps per token), ``chunk_comba``
+and ``fused_recurrent_comba`` (Comba);
 ``chunk_dplr_delta_rule``, ``chunk_rwkv7``, their twins and
 ``fused_mul_recurrent_rwkv7`` (the generalized delta rule, RWKV-7); ``chunk_rwkv6`` and
 ``fused_recurrent_rwkv6`` (RWKV-6: GLA read before the update, plus a bonus).
@@ -29,6 +30,7 @@ See the documentation page "Coming from flash-linear-attention".
 
 from __future__ import annotations
 
+from .comba import chunk_comba, fused_recurrent_comba
 from .delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
 from .gated_delta_product import chunk_gated_delta_product
 from .gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -43,6 +45,7 @@ from .simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
 __all__ = [
     "FLA_VERSION",
+    "chunk_comba",
     "chunk_delta_rule",
     "chunk_dplr_delta_rule",
     "chunk_gated_delta_product",
@@ -55,6 +58,7 @@ __all__ = [
     "chunk_rwkv7",
     "chunk_simple_gla",
     "fused_mul_recurrent_rwkv7",
+    "fused_recurrent_comba",
     "fused_recurrent_delta_rule",
     "fused_recurrent_dplr_delta_rule",
     "fused_recurrent_gated_delta_rule",
