@@ -32,7 +32,7 @@ from ._inputs.sequences import (
     step_state,
     used_as_given,
 )
-from ._inputs.steps import PreparedStep
+from ._inputs.steps import PlanCache, PreparedStep
 from ._inputs.validation import (
     AttentionInputs,
     check_coefficient,
@@ -302,8 +302,13 @@ def dplr_delta_rule_step(
     >>> bool(np.allclose(np.stack(outputs), whole[6:]))
     True
     """
-    plan = _plan_step(q_t, k_t, v_t, a_t, b_t, state, log_decay, scale=scale)
-    return _run_step(plan[0], q_t, k_t, v_t, a_t, b_t, state, log_decay)
+    args = (q_t, k_t, v_t, a_t, b_t, state, log_decay)
+    plan = _PLANS.plan(partial(_plan_step, scale=scale), args, (scale,))
+    return _run_step(plan[0], *args)
+
+
+#: :func:`dplr_delta_rule_step`'s checks run once per signature of its arguments and options.
+_PLANS = PlanCache()
 
 
 def _plan_step(

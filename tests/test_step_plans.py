@@ -90,3 +90,77 @@ def test_plan_cache_plans_once_per_signature_and_options():
     assert cache.plan(plan, (x, 0.5), (mine, 1.0)) == (7, "checked")  # the caller's: never
     assert cache.plan(plan, (x, [1]), (None, 1.0)) == (8, "checked")  # unknown argument
     assert cache.plan(plan, (x, [1]), (None, 1.0)) == (9, "checked")
+
+
+def _dplr_loop(q, k, v, a, b, g):
+    """float64 loop of ``S_t = diag(exp(g)) S + b (a^T S) + k v^T``, ``o_t = 0.5 S^T q``."""
+    S = np.zeros((2, q.shape[-1], v.shape[-1]))
+    for _ in range(3):
+        read = np.einsum("hi,hij->hj", a, S)
+        S = np.exp(g)[:, :, None] * S + b[:, :, None] * read[:, None, :]
+        S = S + k[:, :, None] * v[:, None, :]
+        yield np.einsum("hij,hi->hj", S, q) * 0.5
+
+
+def test_dplr_delta_rule_step_equals_the_loop_and_the_prepared_step_at_every_call():
+    from polylin import dplr_delta_rule_step, prepare_dplr_step
+
+    q, k, v = _token(1)
+    a, b, g = -k, 0.6 * k, np.linspace(-0.9, -0.05, 16).reshape(2, 8)
+    prepared, S, P = prepare_dplr_step(scale=0.5), None, None
+    for want in _dplr_loop(q, k, v, a, b, g):  # the second and third calls use the kept plan
+        o, S = dplr_delta_rule_step(q, k, v, a, b, S, log_decay=g, scale=0.5)
+        o_p, P = prepared(q, k, v, a, b, P, log_decay=g)
+        np.testing.assert_allclose(o, want, rtol=1e-12, atol=1e-12)
+        assert np.array_equal(o, o_p) and np.array_equal(S, P)
+    q32, k32, v32, a32, b32, g32 = (x.astype(np.float32) for x in (q, k, v, a, b, g))
+    S32 = P32 = None
+    prepared = prepare_dplr_step(scale=0.5)
+    for want in _dplr_loop(q, k, v, a, b, g):  # a new dtype: a plan of its own
+        o, S32 = dplr_delta_rule_step(q32, k32, v32, a32, b32, S32, log_decay=g32, scale=0.5)
+        o_p, P32 = prepared(q32, k32, v32, a32, b32, P32, log_decay=g32)
+        assert o.dtype == np.float32 and S32.dtype == np.float32
+        np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-5)
+        assert np.array_equal(o, o_p) and np.array_equal(S32, P32)
+
+
+def test_dplr_delta_rule_step_checks_a_new_signature_or_option_after_a_kept_plan():
+    from polylin import dplr_delta_rule_step
+
+    q, k, v = _token(2)
+    a, b = -k, 0.5 * k
+    o, S = dplr_delta_rule_step(q, k, v, a, b, log_decay=-0.3, scale=0.5)
+    o2, _ = dplr_delta_rule_step(q, k, v, a, b, log_decay=-0.3, scale=0.5)
+    assert np.array_equal(o, o2)
+    with pytest.raises(ValueError, match="log_decay"):  # a number's value is in the signature
+        dplr_delta_rule_step(q, k, v, a, b, log_decay=0.5, scale=0.5)
+    with pytest.raises(ValueError, match="v_t"):
+        dplr_delta_rule_step(q, k, np.zeros((3, 8)), a, b, log_decay=-0.3, scale=0.5)
+    with pytest.raises(ValueError, match="a_t"):
+        dplr_delta_rule_step(q, k, v, a[:, :4], b, log_decay=-0.3, scale=0.5)
+    with pytest.raises(ValueError, match="state"):
+        dplr_delta_rule_step(q, k, v, a, b, S[:, :4], log_decay=-0.3, scale=0.5)
+    with pytest.raises(TypeError, match="b_t"):
+        dplr_delta_rule_step(q, k, v, a, b.astype(np.int64), log_decay=-0.3, scale=0.5)
+    with pytest.raises(ValueError, match="scale"):
+        dplr_delta_rule_step(q, k, v, a, b, log_decay=-0.3, scale=math.inf)
+
+
+def test_dplr_delta_rule_step_checks_once_per_signature(monkeypatch):
+    import polylin.dplr as dplr
+
+    calls, plan = [], dplr._plan_step
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(dplr, "_PLANS", type(dplr._PLANS)())
+    monkeypatch.setattr(dplr, "_plan_step", counted)
+    q, k, v = _token(3)
+    S = None
+    for _ in range(3):
+        _, S = dplr.dplr_delta_rule_step(q, k, v, -k, 0.5 * k, S, log_decay=-0.3)
+    assert len(calls) == 2  # a state of None, then the state's signature: kept after that
+    dplr.dplr_delta_rule_step(q, k, v, -k, 0.5 * k, S, log_decay=-0.3, scale=2.0)
+    assert len(calls) == 3
