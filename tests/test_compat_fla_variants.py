@@ -13,8 +13,10 @@ import pytest
 from polylin.compat.fla import (
     chunk_comba,
     chunk_gated_delta_product,
+    chunk_gdn2,
     chunk_rwkv6,
     fused_recurrent_comba,
+    fused_recurrent_gdn2,
     fused_recurrent_rwkv6,
 )
 
@@ -449,3 +451,152 @@ def test_comba_rejects_bad_heads():
         chunk_comba(x["q"], x["k"], x["v"][:, :, :3], x["p"], x["g"][..., :3], x["beta"][..., :3])
     with pytest.raises(TypeError, match="unexpected keyword"):
         chunk_comba(x["q"], x["k"], x["v"], x["p"], x["g"], x["beta"], chunk_size=64)
+
+
+# --------------------------------------------------------------------------------------------
+# GDN-2 (Gated DeltaNet 2)
+# --------------------------------------------------------------------------------------------
+
+
+def gdn2_loop(xp, q, k, v, g, b, w, scale, S0):
+    """GDN-2 token by token (``xp``: numpy or torch, float64).
+
+    ``S_t = (I - k_t (b_t * k_t)^T) Diag(exp(g_t)) S_{t-1} + k_t (w_t * v_t)^T``,
+    ``o_t = scale S_t^T q_t``.
+    """
+    S = S0
+    outs = []
+    for t in range(q.shape[1]):
+        S = S * xp.exp(g[:, t])[..., None]
+        erase = ((b[:, t] * k[:, t])[..., None] * S).sum(-2)
+        S = S + k[:, t][..., None] * (w[:, t] * v[:, t] - erase)[..., None, :]
+        outs.append(scale * (S * q[:, t][..., None]).sum(-2))
+    return (xp.stack(outs, 1) if outs else v[:, :0] * 0), S
+
+
+def gdn2_inputs(seed=0, B=2, T=10, H=3, K=4, V=5):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, T, H, K))
+    return {
+        "q": rng.standard_normal((B, T, H, K)),
+        "k": k / np.linalg.norm(k, axis=-1, keepdims=True),
+        "v": rng.standard_normal((B, T, H, V)),
+        "g": -rng.uniform(0.01, 1.0, (B, T, H, K)),
+        "b": rng.uniform(0.0, 1.5, (B, T, H, K)),
+        "w": rng.uniform(0.0, 1.0, (B, T, H, V)),
+        "S0": rng.standard_normal((B, H, K, V)),
+    }
+
+
+GDN2 = (chunk_gdn2, fused_recurrent_gdn2)
+GDN2_ARGS = ("q", "k", "v", "g", "b", "w")
+
+
+@pytest.mark.parametrize("op", GDN2)
+def test_gdn2_equals_float64_loop(op):
+    x = gdn2_inputs()
+    copies = {name: a.copy() for name, a in x.items()}
+    want_o, want_S = gdn2_loop(np, *(x[n] for n in GDN2_ARGS), 0.5, x["S0"])
+    o, S = op(*(x[n] for n in GDN2_ARGS), initial_state=x["S0"], output_final_state=True)
+    np.testing.assert_allclose(o, want_o, **F64)
+    np.testing.assert_allclose(S, want_S, **F64)
+    for name, a in x.items():
+        np.testing.assert_array_equal(a, copies[name])
+    o2, none = op(*(x[n] for n in GDN2_ARGS), scale=0.3)
+    assert none is None
+    zero = np.zeros_like(x["S0"])
+    np.testing.assert_allclose(o2, gdn2_loop(np, *(x[n] for n in GDN2_ARGS), 0.3, zero)[0], **F64)
+
+
+def test_gdn2_with_b_equal_w_equal_beta_is_kda():
+    from polylin.compat.fla import chunk_kda
+
+    x = gdn2_inputs(seed=7)
+    beta = np.random.default_rng(8).uniform(0.05, 1.0, x["q"].shape[:3])
+    b = np.broadcast_to(beta[..., None], x["k"].shape)
+    w = np.broadcast_to(beta[..., None], x["v"].shape)
+    o, S = chunk_gdn2(x["q"], x["k"], x["v"], x["g"], b, w, initial_state=x["S0"],
+                      output_final_state=True)  # fmt: skip
+    o_kda, S_kda = chunk_kda(x["q"], x["k"], x["v"], x["g"], beta, initial_state=x["S0"],
+                             output_final_state=True)  # fmt: skip
+    np.testing.assert_allclose(o, o_kda, **F64)
+    np.testing.assert_allclose(S, S_kda, **F64)
+
+
+def test_gdn2_qk_l2norm_and_packed_sequences():
+    x = gdn2_inputs(seed=1, B=1, T=9)
+    offsets = [0, 4, 4, 9]
+    S0 = np.random.default_rng(2).standard_normal((3, 3, 4, 5))
+    raw = {n: x[n] * 2.5 for n in ("q", "k")}
+    o, S = chunk_gdn2(
+        raw["q"], raw["k"], x["v"], x["g"], x["b"], x["w"], initial_state=S0,
+        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=np.asarray(offsets),
+    )  # fmt: skip
+    unit = {n: a / np.sqrt((a**2).sum(-1, keepdims=True) + 1e-6) for n, a in raw.items()}
+    for i, (s, e) in enumerate(pairwise(offsets)):
+        want_o, want_S = gdn2_loop(
+            np, unit["q"][:, s:e], unit["k"][:, s:e],
+            *(x[n][:, s:e] for n in ("v", "g", "b", "w")), 0.5, S0[i : i + 1],
+        )  # fmt: skip
+        np.testing.assert_allclose(o[:, s:e], want_o, **F64)
+        np.testing.assert_allclose(S[i : i + 1], want_S, **F64)
+
+
+def test_gdn2_torch_gradients():
+    torch = pytest.importorskip("torch")
+    x = gdn2_inputs(seed=3, T=7)
+    names = (*GDN2_ARGS, "S0")
+    for op in GDN2:
+        ours = {n: torch.tensor(x[n], requires_grad=True) for n in names}
+        ref = {n: torch.tensor(x[n], requires_grad=True) for n in names}
+        o, S = op(*(ours[n] for n in GDN2_ARGS), initial_state=ours["S0"],
+                  output_final_state=True)  # fmt: skip
+        assert isinstance(o, torch.Tensor) and o.dtype == torch.float64
+        o_ref, S_ref = gdn2_loop(torch, *(ref[n] for n in GDN2_ARGS), 0.5, ref["S0"])
+        np.testing.assert_allclose(o.detach().numpy(), o_ref.detach().numpy(), **F64)
+        np.testing.assert_allclose(S.detach().numpy(), S_ref.detach().numpy(), **F64)
+        rng = np.random.default_rng(4)
+        go, gS = (torch.tensor(rng.standard_normal(tuple(a.shape))) for a in (o, S))
+        ((o * go).sum() + (S * gS).sum()).backward()
+        ((o_ref * go).sum() + (S_ref * gS).sum()).backward()
+        for n in names:
+            np.testing.assert_allclose(ours[n].grad.numpy(), ref[n].grad.numpy(), **F64)
+
+
+def test_gdn2_equals_fla_naive():
+    torch = pytest.importorskip("torch")
+    naive = fla_reference("gdn2/naive.py")
+    x = gdn2_inputs(seed=5, T=20)
+    t = {n: torch.tensor(a) for n, a in x.items()}
+    args = [t[n] for n in GDN2_ARGS]
+    want_o, want_S = naive.naive_recurrent_gdn2(
+        *args, initial_state=t["S0"], output_final_state=True
+    )
+    chunk_o, chunk_S = naive.naive_chunk_gdn2(
+        *args, initial_state=t["S0"], output_final_state=True, chunk_size=8
+    )
+    np.testing.assert_allclose(chunk_o.numpy(), want_o.numpy(), **F32)
+    np.testing.assert_allclose(chunk_S.numpy(), want_S.numpy(), **F32)
+    for op in GDN2:
+        o, S = op(*args, initial_state=t["S0"], output_final_state=True)
+        np.testing.assert_allclose(o.numpy(), want_o.numpy(), **F32)
+        np.testing.assert_allclose(S.numpy(), want_S.numpy(), **F32)
+
+
+def test_gdn2_rejects_what_it_does_not_compute():
+    x = gdn2_inputs(T=4)
+    args = [x[n] for n in GDN2_ARGS]
+    with pytest.raises(NotImplementedError, match="use_gate_in_kernel"):
+        chunk_gdn2(*args, use_gate_in_kernel=True)
+    with pytest.raises(NotImplementedError, match="A_log"):
+        fused_recurrent_gdn2(*args, A_log=np.zeros(3))
+    with pytest.raises(NotImplementedError, match="state_v_first"):
+        chunk_gdn2(*args, state_v_first=True)
+    with pytest.raises(NotImplementedError, match="return_intermediate_states"):
+        chunk_gdn2(*args, return_intermediate_states=True)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_gdn2(*args, chunk_size=32)
+    with pytest.raises(ValueError, match="`w` must have shape"):
+        chunk_gdn2(*args[:5], x["w"][..., :2])
+    with pytest.raises(DeprecationWarning, match="head_first"):
+        chunk_gdn2(*args, head_first=True)

@@ -16,7 +16,7 @@ The ops: ``chunk_linear_attn``, ``chunk_simple_gla``, ``chunk_gla`` and their
 ``fused_recurrent_*`` twins, ``chunk_retention`` (linear attention and its gated forms);
 ``chunk_delta_rule``, ``chunk_gated_delta_rule``, ``chunk_kda`` and their twins (the delta
 family), ``chunk_gated_delta_product`` (several delta steps per token), ``chunk_comba``
-and ``fused_recurrent_comba`` (Comba);
+and ``fused_recurrent_comba`` (Comba), ``chunk_gdn2`` and ``fused_recurrent_gdn2`` (GDN-2);
 ``chunk_dplr_delta_rule``, ``chunk_rwkv7``, their twins and
 ``fused_mul_recurrent_rwkv7`` (the generalized delta rule, RWKV-7); ``chunk_rwkv6`` and
 ``fused_recurrent_rwkv6`` (RWKV-6: GLA read before the update, plus a bonus).
@@ -34,6 +34,7 @@ from .comba import chunk_comba, fused_recurrent_comba
 from .delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
 from .gated_delta_product import chunk_gated_delta_product
 from .gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from .gdn2 import chunk_gdn2, fused_recurrent_gdn2
 from .generalized_delta_rule import chunk_dplr_delta_rule, fused_recurrent_dplr_delta_rule
 from .gla import chunk_gla, fused_recurrent_gla
 from .kda import chunk_kda, fused_recurrent_kda
@@ -50,6 +51,7 @@ __all__ = [
     "chunk_dplr_delta_rule",
     "chunk_gated_delta_product",
     "chunk_gated_delta_rule",
+    "chunk_gdn2",
     "chunk_gla",
     "chunk_kda",
     "chunk_linear_attn",
@@ -62,6 +64,7 @@ __all__ = [
     "fused_recurrent_delta_rule",
     "fused_recurrent_dplr_delta_rule",
     "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_gdn2",
     "fused_recurrent_gla",
     "fused_recurrent_kda",
     "fused_recurrent_linear_attn",
