@@ -16,6 +16,7 @@ from typing import Any
 
 from ._delta import CONVERSIONS as _DELTA
 from ._lightning import CONVERSIONS as _LIGHTNING
+from ._mamba1 import CONVERSIONS as _MAMBA1
 from ._mamba2 import CONVERSIONS as _MAMBA2
 from ._registry import Conversion
 from ._short_conv import CONVERSIONS as _SHORT_CONV
@@ -26,7 +27,14 @@ __all__ = ["LAYER_CLASSES", "use_polylin", "use_transformers_fallback"]
 #: The layer classes (by name) :func:`use_polylin` converts, each with its family, the models
 #: that use it and how it is converted. Checked on transformers 5.23.0
 #: (``tests/test_compat_transformers*.py``).
-LAYER_CLASSES: dict[str, Conversion] = {**_DELTA, **_MAMBA2, **_LIGHTNING, **_SHORT_CONV, **_XLSTM}
+LAYER_CLASSES: dict[str, Conversion] = {
+    **_DELTA,
+    **_MAMBA1,
+    **_MAMBA2,
+    **_LIGHTNING,
+    **_SHORT_CONV,
+    **_XLSTM,
+}
 
 
 def _families() -> str:
