@@ -51,7 +51,10 @@ def _docstring_tests() -> list[doctest.DocTest]:
     finder = doctest.DocTestFinder(exclude_empty=True)
     tests = []
     for name in _polylin_modules():
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # an optional layer package whose library is absent (torch, flax)
+            continue
         tests += [t for t in finder.find(module, name) if t.examples]
     return sorted(tests, key=lambda t: t.name)
 
@@ -84,13 +87,29 @@ def _public_objects() -> dict[str, object]:
     for name in polylin.activations.__all__:
         objects[f"polylin.activations.{name}"] = getattr(polylin.activations, name)
     objects["polylin.testing.Backend"] = Backend
+    import polylin.blocks as blocks
+
+    for name in blocks.__all__:
+        objects[f"polylin.blocks.{name}"] = getattr(blocks, name)
+    try:
+        import polylin.flax as flax_layers
+    except ImportError:  # no flax here: its layers are not importable
+        pass
+    else:
+        for name in flax_layers.__all__:
+            layer = getattr(flax_layers, name)
+            objects[f"polylin.flax.{name}"] = layer
+            for method in ("__call__", "step", "from_torch_state_dict", "load_state_dict"):
+                if method in vars(layer):
+                    objects[f"polylin.flax.{name}.{method}"] = getattr(layer, method)
     try:
         import polylin.torch as layers
     except ImportError:  # no PyTorch here: the layers cannot be imported, their page is skipped
         return objects
     for name in layers.__all__:
         objects[f"polylin.torch.{name}"] = getattr(layers, name)
-    for name in ("LinearAttention", "GatedDeltaNet", "GatedLinearAttention", "Mamba2"):
+    for name in ("LinearAttention", "GatedDeltaNet", "GatedLinearAttention", "Mamba2",
+                 "RWKV7Attention"):
         for method in ("forward", "step", "log_decay"):
             if method in vars(getattr(layers, name)):
                 objects[f"polylin.torch.{name}.{method}"] = getattr(getattr(layers, name), method)
@@ -117,8 +136,9 @@ def test_api_page_lists_every_public_name() -> None:
         if name.startswith("polylin.feature_maps."):
             continue
         short = name.rsplit(".", 1)[-1]
-        if name.startswith("polylin.torch."):  # the layer and its methods: LinearAttention.step
-            short = name.removeprefix("polylin.torch.")
+        for layers in ("polylin.torch.", "polylin.flax."):  # a layer and its methods
+            if name.startswith(layers):
+                short = name.removeprefix(layers)
         assert re.search(rf"^\s+{re.escape(short)}$", text, re.M), f"{name} missing from api.md"
 
 
