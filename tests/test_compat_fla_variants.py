@@ -600,3 +600,41 @@ def test_gdn2_rejects_what_it_does_not_compute():
         chunk_gdn2(*args[:5], x["w"][..., :2])
     with pytest.raises(DeprecationWarning, match="head_first"):
         chunk_gdn2(*args, head_first=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Every variant on the other array libraries, packed sequences included
+# --------------------------------------------------------------------------------------------
+
+
+def _variant_cases():
+    rng = np.random.default_rng(9)
+    B, T, H, K, V = 1, 6, 2, 4, 3
+    q, k = rng.standard_normal((2, B, T, H, K))
+    v = rng.standard_normal((B, T, H, V))
+    return {
+        chunk_rwkv6: (q, k, v, -rng.uniform(0, 1, (B, T, H, K)), rng.standard_normal((H, K))),
+        chunk_gated_delta_product: (
+            q, np.repeat(k, 2, 1) / 3, np.repeat(v, 2, 1), -rng.uniform(0, 1, (B, T, H)),
+            rng.uniform(0, 1, (B, 2 * T, H)), 2,
+        ),
+        chunk_comba: (q, k / 3, v, k / 4, -rng.uniform(0, 1, (B, T, H)),
+                      rng.uniform(0, 1, (B, T, H))),
+        chunk_gdn2: (q, k / 3, v, -rng.uniform(0, 1, (B, T, H, K)),
+                     rng.uniform(0, 1, (B, T, H, K)), rng.uniform(0, 1, (B, T, H, V))),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "library", [pytest.param("jax.numpy", marks=pytest.mark.slow), "array_api_strict"]
+)
+def test_variants_on_other_array_libraries(library):
+    xp = pytest.importorskip(library)
+    offsets = np.asarray([0, 2, 6])
+    for op, args in _variant_cases().items():
+        want_o, want_S = op(*args, output_final_state=True, cu_seqlens=offsets)
+        converted = [xp.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+        o, S = op(*converted, output_final_state=True, cu_seqlens=offsets)
+        assert type(o) is type(converted[0]), op.__name__
+        np.testing.assert_allclose(np.asarray(o), want_o, **F64)
+        np.testing.assert_allclose(np.asarray(S), want_S, **F64)
