@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--state-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--peer-max-length", type=int, default=4096,
+        "--peer-max-length",
+        type=int,
+        default=4096,
         help="time transformers' forward+backward up to this T (it is quadratic in T)",
     )
     parser.add_argument("--json", type=Path, default=None)
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             mine, peer = calls(ours, a), calls(theirs, a)
             for mode in mine:
                 if mode == "forward+backward" and length > args.peer_max_length:
-                    (t_ours, _), = interleaved_times([mine[mode]], args.repeats)
+                    ((t_ours, _),) = interleaved_times([mine[mode]], args.repeats)
                     t_peer = float("nan")
                 else:
                     pair = [mine[mode], peer[mode]]

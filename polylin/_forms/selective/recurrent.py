@@ -19,9 +19,7 @@ from ..._backend.ops import matmul, unstack
 __all__ = ["selective_recurrent", "selective_step"]
 
 
-def selective_step(
-    xp: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, h: Any
-) -> tuple[Any, Any]:
+def selective_step(xp: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, h: Any) -> tuple[Any, Any]:
     """One token: ``x``, ``dt`` ``(..., D)``, ``B``, ``C`` ``(..., N)``, ``A`` and the state
     ``h`` ``(..., D, N)``; returns ``(y, h)`` with ``y`` ``(..., D)``."""
     decay = xp.exp(dt[..., :, None] * A)
@@ -47,4 +45,3 @@ def selective_recurrent(
         y, h = selective_step(xp, x_t, dt_t, A, B_t, C_t, h)
         outputs.append(y)
     return xp.stack(outputs, axis=-2), h
-
