@@ -638,3 +638,42 @@ def test_variants_on_other_array_libraries(library):
         assert type(o) is type(converted[0]), op.__name__
         np.testing.assert_allclose(np.asarray(o), want_o, **F64)
         np.testing.assert_allclose(np.asarray(S), want_S, **F64)
+
+
+FLA_FILES = {
+    "chunk_rwkv6": "rwkv6/chunk.py",
+    "fused_recurrent_rwkv6": "rwkv6/fused_recurrent.py",
+    "chunk_gated_delta_product": "gated_delta_product/chunk.py",
+    "chunk_comba": "comba/chunk.py",
+    "fused_recurrent_comba": "comba/fused_recurrent.py",
+    "chunk_gdn2": "gdn2/chunk.py",
+    "fused_recurrent_gdn2": "gdn2/fused_recurrent.py",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLA_FILES))
+def test_variant_signatures_are_fla_s(name):
+    """Names, order and defaults of the parameters, read from fla 0.6.0's source (parsed: its
+    modules import Triton)."""
+    import ast
+    import inspect
+
+    from polylin.compat import fla
+
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("fla-core is not installed (the bench extra pins fla-core==0.6.0)")
+    source = Path(spec.submodule_search_locations[0]) / "ops" / FLA_FILES[name]
+    tree = ast.parse(source.read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    names = [a.arg for a in fn.args.args]
+    defaults = [ast.unparse(d) for d in fn.args.defaults]
+    theirs = list(zip(names, [None] * (len(names) - len(defaults)) + defaults, strict=True))
+    if fn.args.kwarg is not None:
+        theirs.append(("**" + fn.args.kwarg.arg, None))
+    ours = [
+        (("**" if p.kind is p.VAR_KEYWORD else "") + p.name,
+         None if p.default is p.empty else repr(p.default))
+        for p in inspect.signature(getattr(fla, name)).parameters.values()
+    ]  # fmt: skip
+    assert ours == theirs
