@@ -6,7 +6,7 @@ and dtype.
 """
 
 from . import activations, feature_maps
-from ._inputs.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
+from ._inputs.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_DPLR_CHUNK_SIZE, DEFAULT_EPS
 from ._inputs.state import LinearAttentionState
 from ._inputs.steps import PreparedStep
 from .attention import METHODS, causal_linear_attention, linear_attention, masked_kernel_attention
@@ -27,6 +27,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_DPLR_CHUNK_SIZE",
     "DEFAULT_EPS",
     "DELTA_METHODS",
     "DPLR_METHODS",

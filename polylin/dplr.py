@@ -17,7 +17,7 @@ from ._backend.namespace import is_array
 from ._forms.dplr.chunked import dplr_chunked
 from ._forms.dplr.quadratic import dplr_quadratic
 from ._forms.dplr.recurrent import dplr_recurrent, dplr_step
-from ._inputs.defaults import DEFAULT_EPS
+from ._inputs.defaults import DEFAULT_DPLR_CHUNK_SIZE, DEFAULT_EPS
 from ._inputs.gates import standard_log_decay
 from ._inputs.layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._inputs.prepare import finish
@@ -100,7 +100,7 @@ def dplr_delta_rule(
     log_decay: Array | None = None,
     scale: float = 1.0,
     method: str = "chunked",
-    chunk_size: int = 32,
+    chunk_size: int = DEFAULT_DPLR_CHUNK_SIZE,
     initial_state: Array | None = None,
     return_state: bool = False,
     attention_mask: Array | None = None,
@@ -143,9 +143,10 @@ def dplr_delta_rule(
         memory (``O(T^2 d_k)`` with a gate per channel); for tests and short sequences.
     chunk_size : int
         Chunk length C of the chunked form, rounded up to a power of two (T need not be a
-        multiple of it). The default, 32, is half the other families' 64: the block within a
-        chunk dominates this form's time, and 32 ran 0.77-0.95x the time of 64 (NumPy and
-        PyTorch, forward and forward+backward, ``docs/dplr.md``).
+        multiple of it). The default, :data:`DEFAULT_DPLR_CHUNK_SIZE` (32), is half the other
+        families' 64: the block within a chunk dominates this form's time, and 32 ran
+        0.76-0.95x the time of 64 (NumPy and PyTorch, forward and forward+backward,
+        ``docs/dplr.md``).
     initial_state : array, optional
         The state ``S`` to continue from, shape ``(..., d_k, d_v)``; one returned by any
         method or by :func:`dplr_delta_rule_step`, or one whose leading dimensions broadcast

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from .._backend.ops import cumulative_sum, l2_normalize
-from .._inputs.defaults import DEFAULT_CHUNK_SIZE
+from .._inputs.defaults import DEFAULT_DPLR_CHUNK_SIZE
 from ..activations import sigmoid
 from ..dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step
 from ..interop import array_namespace, device, is_array, work_dtype_for
@@ -82,7 +82,7 @@ def _sizes(params: Mapping[str, Any], options: dict[str, Any]) -> RWKV7Sizes:
     if not isinstance(fuse_norm, bool):
         raise TypeError(f"{BLOCK}: fuse_norm must be True or False, got {fuse_norm!r}")
     norm_eps = float(options.pop("norm_eps", 1e-5))
-    chunk_size = int(options.pop("chunk_size", DEFAULT_CHUNK_SIZE))
+    chunk_size = int(options.pop("chunk_size", DEFAULT_DPLR_CHUNK_SIZE))
     options.pop("num_hidden_layers", None)  # an initialization option
     key_dim, hidden_size = param(BLOCK, params, "r_proj.weight", ndim=2).shape
     num_heads, head_dim = param(BLOCK, params, "r_k", ndim=2).shape

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import DEFAULT_CHUNK_SIZE, DPLR_METHODS
+from .. import DEFAULT_DPLR_CHUNK_SIZE, DPLR_METHODS
 from ..blocks import init_rwkv7, rwkv7, rwkv7_step
 from ._blocks import LayerCache, check_dtype, check_hidden, padding_mask, positive_int
 
@@ -151,7 +151,7 @@ class RWKV7Attention(nn.Module):
         num_hidden_layers: int | None = None,
         *,
         method: str = "chunked",
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int = DEFAULT_DPLR_CHUNK_SIZE,
         device: Any = None,
         dtype: Any = None,
     ) -> None:

@@ -108,14 +108,16 @@ def state_v_first_alias(kwargs: dict[str, Any], state_v_first: bool) -> bool:
     return bool(kwargs.pop("transpose_state_layout"))
 
 
-def pop_chunk_size(op: str, kwargs: dict[str, Any], allowed: tuple[int, ...] | None) -> int:
-    """fla's ``chunk_size`` keyword (default 64), checked as fla checks it.
+def pop_chunk_size(
+    op: str, kwargs: dict[str, Any], allowed: tuple[int, ...] | None, default: int = 64
+) -> int:
+    """fla's ``chunk_size`` keyword (``default`` when absent), checked as fla checks it.
 
     ``allowed=None``: any power of 2.
     """
     chunk_size = kwargs.pop("chunk_size", None)
     if chunk_size is None:
-        return 64
+        return default
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"`chunk_size` of {op} must be a positive int, got {chunk_size!r}.")
     if allowed is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import LinearAttentionState
+from ... import DEFAULT_DPLR_CHUNK_SIZE, LinearAttentionState
 from ...attention import causal_linear_attention
 from ...delta_rule import delta_rule_attention
 from ...dplr import dplr_delta_rule
@@ -274,4 +274,4 @@ def dplr_chunk_options(
             f"`lower_bound` must be negative (gk is a log-decay < 0), got {lower_bound}."
         )
     reject(op, kwargs, cp_context=(cp_context, None))
-    return pop_chunk_size(op, {"chunk_size": chunk_size}, None)
+    return pop_chunk_size(op, {"chunk_size": chunk_size}, None, DEFAULT_DPLR_CHUNK_SIZE)

@@ -64,7 +64,8 @@ def chunk_rwkv7(
     <cu_seqlens_cpu>
     <safe_gate>
     chunk_size : int, optional
-        The chunk length, a power of 2 (default 64; fla's default is 16: the same function).
+        The chunk length, a power of 2 (default :data:`polylin.DEFAULT_DPLR_CHUNK_SIZE`, 32;
+        fla's default is 16: the same function).
     <disable_recompute>
     <cp_context>
     lower_bound : float, optional
