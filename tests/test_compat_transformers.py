@@ -150,3 +150,31 @@ def test_only_the_given_model_changes():
 def test_a_model_without_such_layers_is_an_error():
     with pytest.raises(ValueError, match="no layer polylin can run"):
         use_polylin(torch.nn.Linear(2, 2))
+
+
+
+def _kernel() -> str:
+    return "original"
+
+
+def _forward() -> str:
+    return _kernel()
+
+
+def test_a_rebound_forward_can_be_rebound_again():
+    """Rebinding composes: a forward already rebound to polylin's kernels, rebound again (as the
+    benchmarks do with their no-time stand-ins), calls the new kernels, for plain and decorated
+    functions alike."""
+    from polylin.compat.transformers._rebind import rebind
+
+    def decorator(func):
+        def wrapper():
+            return func()
+
+        wrapper.__wrapped__ = func
+        return wrapper
+
+    for func in (_forward, decorator(_forward)):
+        once = rebind(func, {"_kernel": lambda: "once"})
+        twice = rebind(once, {"_kernel": lambda: "twice"})
+        assert (func(), once(), twice()) == ("original", "once", "twice")

@@ -33,7 +33,11 @@ def rebind(func: Any, kernels: dict[str, Callable[..., Any]]) -> Any:
             func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
         )
         rebound.__kwdefaults__ = func.__kwdefaults__
-        return functools.update_wrapper(rebound, func)
+        functools.update_wrapper(rebound, func)
+        # A leaf stays a leaf (update_wrapper points __wrapped__ at func): rebinding it again
+        # rebinds it, rather than taking func for a decorator's inner function.
+        del rebound.__wrapped__
+        return rebound
     new_inner = rebind(inner, kernels)
     cells = tuple(
         types.CellType(new_inner) if cell.cell_contents is inner else cell
