@@ -36,7 +36,7 @@ def rebind(func: Any, kernels: dict[str, Callable[..., Any]]) -> Any:
         functools.update_wrapper(rebound, func)
         # A leaf stays a leaf (update_wrapper points __wrapped__ at func): rebinding it again
         # rebinds it, rather than taking func for a decorator's inner function.
-        del rebound.__wrapped__
+        del rebound.__wrapped__  # type: ignore[attr-defined]
         return rebound
     new_inner = rebind(inner, kernels)
     cells = tuple(
