@@ -8,12 +8,12 @@ Gated DeltaNet's ``expand_v`` 2), GLA (``hidden / 128`` heads, key heads of 64) 
 (heads of 64, ``state_size`` 64, one group): the torch module, the block function on the
 module's state dict as torch tensors, as NumPy arrays and as JAX arrays (``jax.jit``, its
 compile time recorded), each checked against the module first. Float32, batch 1, the threads
-PyTorch and the BLAS libraries choose; forward (torch under ``no_grad``), forward+backward (the sum of the
-output, to every parameter: ``backward`` on torch, ``jax.jit(jax.grad)`` on JAX; NumPy has
-none) and one decoding token after a 16-token prefill. The two PyTorch calls are interleaved;
-NumPy's and JAX's are timed after them, each on its own (OpenBLAS's and XLA's threads spin on
-after a call and slow the next one). The ratio is each time over the torch module's in the same
-run.
+PyTorch and the BLAS libraries choose; forward (torch under ``no_grad``), forward+backward (the
+sum of the output, to every parameter: ``backward`` on torch, ``jax.jit(jax.grad)`` on JAX;
+NumPy has none) and one decoding token after a 16-token prefill. The two PyTorch calls are
+interleaved; NumPy's and JAX's are timed after them, each on its own (OpenBLAS's and XLA's
+threads spin on after a call and slow the next one). The ratio is each time over the torch
+module's in the same run.
 """
 
 from __future__ import annotations
