@@ -104,8 +104,8 @@ def chunk_gdn2(
     <output_final_state>
     <use_qk_l2norm_in_kernel>
     use_gate_in_kernel : bool
-        fla's in-kernel gate activation: not supported (``NotImplementedError``; compute ``g``
-        first).
+        The in-kernel gate activation of fla: not supported (``NotImplementedError``;
+        compute ``g`` first).
     <cu_seqlens>
     <cu_seqlens_cpu>
     <safe_gate>
@@ -198,7 +198,7 @@ def fused_recurrent_gdn2(
     w : array
         Write gate per value channel, ``(B, T, H, V)``.
     A_log, dt_bias : array, optional
-        fla's in-kernel gate parameters: not supported (``NotImplementedError``).
+        The in-kernel gate's parameters: not supported (``NotImplementedError``).
     <scale>
     <initial_state_h>
     <output_final_state>

@@ -10,6 +10,7 @@ function with those kernel names bound to polylin's.
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -65,8 +66,12 @@ def by_rebinding(
 
     @functools.cache
     def fallback(cls: Any) -> Any:
-        module = __import__(cls.__module__, fromlist=["_"])
-        # transformers' own pure-PyTorch functions, under whatever its decorators resolved.
-        return rebind(cls.forward, {name: getattr(module, name).__wrapped__ for name in kernels})
+        module = sys.modules[cls.__module__]
+        # transformers' own pure-PyTorch functions, under whatever its decorators resolved
+        # (the hub decorator's __wrapped__; a plain function as it is, as LFM3's).
+        originals = {name: getattr(module, name) for name in kernels}
+        return rebind(
+            cls.forward, {name: getattr(f, "__wrapped__", f) for name, f in originals.items()}
+        )
 
     return Conversion(family, models, polylin, fallback, dict(kernels))

@@ -11,15 +11,12 @@ DeltaNet and KDA layers (``_delta.py``) call the same two functions and rebind t
 
 from __future__ import annotations
 
-import functools
-import inspect
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from ... import causal_conv1d, causal_conv1d_step
 from ...interop import array_namespace, work_dtype_for
-from ._rebind import rebind
+from ._rebind import by_rebinding
 from ._registry import Conversion
 
 
@@ -84,29 +81,10 @@ CONV_KERNELS: dict[str, Callable[..., Any]] = {
 }
 
 
-def rebinding(
-    family: str, models: tuple[str, ...], kernels: dict[str, Callable[..., Any]]
-) -> Conversion:
-    """A :class:`Conversion` that rebinds ``kernels``; the fallback is transformers' own
-    function under each name, decorated (``causal_conv1d_fn`` from the hub) or not (LFM3's)."""
-
-    @functools.cache
-    def polylin(cls: Any) -> Any:
-        return rebind(cls.forward, kernels)
-
-    @functools.cache
-    def fallback(cls: Any) -> Any:
-        module = sys.modules[cls.__module__]
-        originals = {name: inspect.unwrap(getattr(module, name)) for name in kernels}
-        return rebind(cls.forward, originals)
-
-    return Conversion(family, models, polylin, fallback, dict(kernels))
-
-
 CONVERSIONS: dict[str, Conversion] = {
-    "Lfm2ShortConv": rebinding("short convolution", ("lfm2", "lfm2_vl"), CONV_KERNELS),
-    "Lfm2MoeShortConv": rebinding("short convolution", ("lfm2_moe",), CONV_KERNELS),
-    "Lfm3ShortConv": rebinding("short convolution", ("lfm3", "lfm3_vl"), CONV_KERNELS),
-    "InklingShortConvolution": rebinding("short convolution", ("inkling",), CONV_KERNELS),
-    "Inkling2ShortConvolution": rebinding("short convolution", ("inkling2",), CONV_KERNELS),
+    "Lfm2ShortConv": by_rebinding("short convolution", ("lfm2", "lfm2_vl"), CONV_KERNELS),
+    "Lfm2MoeShortConv": by_rebinding("short convolution", ("lfm2_moe",), CONV_KERNELS),
+    "Lfm3ShortConv": by_rebinding("short convolution", ("lfm3", "lfm3_vl"), CONV_KERNELS),
+    "InklingShortConvolution": by_rebinding("short convolution", ("inkling",), CONV_KERNELS),
+    "Inkling2ShortConvolution": by_rebinding("short convolution", ("inkling2",), CONV_KERNELS),
 }
