@@ -40,6 +40,7 @@ from polylin.torch import (  # noqa: E402
     GatedLinearAttention,
     KimiDeltaAttention,
     Mamba2,
+    RWKV7Attention,
 )
 
 HEAD_DIM = 64
@@ -52,11 +53,14 @@ BLOCKS = {
     "gated_linear_attention": (GatedLinearAttention, blocks.gated_linear_attention,
                                blocks.gated_linear_attention_step, {}),
     "mamba2": (Mamba2, blocks.mamba2, blocks.mamba2_step, {"state_size": 64}),
+    "rwkv7": (RWKV7Attention, blocks.rwkv7, blocks.rwkv7_step, {"layer_idx": 0}),
 }  # fmt: skip
 #: name -> the module's size options and the block call's options, given ``heads``
 #: (``hidden / 128``); the delta-rule blocks' otherwise. GLA: its default ``expand_k`` 0.5 and
-#: ``expand_v`` 1 (key heads of 64); Mamba-2: heads of 64 (``expand`` 2: 4 per 128 of hidden).
+#: ``expand_v`` 1 (key heads of 64); Mamba-2: heads of 64 (``expand`` 2: 4 per 128 of hidden);
+#: RWKV-7: heads of 64, the first layer (it makes ``v_first``).
 SIZES = {
+    "rwkv7": lambda heads: ({"head_dim": HEAD_DIM}, {}),
     "gated_linear_attention": lambda heads: ({"num_heads": heads}, {}),
     "mamba2": lambda heads: ({"head_dim": HEAD_DIM}, {"n_groups": 1}),
 }
