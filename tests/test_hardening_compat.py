@@ -53,11 +53,24 @@ def arguments(op: str, variant: str | None = None, T: int = 6, H: int = 2) -> di
 
     family = op.removeprefix("chunk_").removeprefix("fused_recurrent_")
     family = "rwkv7" if "rwkv7" in op else family
-    first = "r" if "rwkv7" in op else "q"
+    first = "r" if "rwkv" in op else "q"
     x: dict[str, Any] = {first: normal(B, T, H, K)}
-    if "rwkv7" in op:
+    if "rwkv" in op:
         x["w"] = gate(B, T, H, K)
     x["k"], x["v"] = normal(B, T, H, K), normal(B, T, H, V)
+    if family == "rwkv6":
+        x["u"] = normal(H, K)
+    if family == "gated_delta_product":  # two Householder sub-steps per token
+        x["k"], x["v"] = unit(normal(B, 2 * T, H, K)), normal(B, 2 * T, H, V)
+        x["g"], x["beta"] = gate(B, T, H), rng.uniform(0.1, 0.9, (B, 2 * T, H))
+        x["num_householder"] = 2
+    if family == "comba":
+        x["k"], x["p"] = unit(x["k"]), unit(normal(B, T, H, K))
+        x["g"], x["beta"] = gate(B, T, H), rng.uniform(0.1, 0.9, (B, T, H))
+    if family == "gdn2":
+        x["k"] = unit(x["k"])
+        x["g"], x["b"] = gate(B, T, H, K), rng.uniform(0.1, 0.9, (B, T, H, K))
+        x["w"] = rng.uniform(0.1, 0.9, (B, T, H, V))
     if family == "linear_attn":  # positive: the normalizer stays away from 0
         x["q"], x["k"] = np.abs(x["q"]) + 0.1, np.abs(x["k"]) + 0.1
     if family in ("delta_rule", "gated_delta_rule", "kda"):
@@ -89,7 +102,8 @@ CASES = [(op, None) for op in OPS] + [(op, v) for op, vs in VARIANTS.items() for
 CASE_IDS = [op if v is None else f"{op}[{v}]" for op, v in CASES]
 
 INTEGER_CASES = [
-    (op, variant, name) for op, variant in CASES for name in arguments(op, variant)
+    (op, variant, name) for op, variant in CASES for name, value in arguments(op, variant).items()
+    if isinstance(value, np.ndarray)
 ]  # fmt: skip
 INTEGER_IDS = [f"{op if v is None else f'{op}[{v}]'}-{name}" for op, v, name in INTEGER_CASES]
 
@@ -156,7 +170,7 @@ def head_first(x: dict[str, Any]) -> dict[str, Any]:
     """The per-token arrays ``(B, T, H, ...)`` of ``x`` as head-first ``(B, H, T, ...)``
     (without the state and ``g_gamma``, whose head count no longer fits)."""
     return {
-        n: np.swapaxes(a, 1, 2) if a.ndim >= 3 else a
+        n: np.swapaxes(a, 1, 2) if np.ndim(a) >= 3 else a
         for n, a in x.items()
         if n not in ("initial_state", "g_gamma")
     }
@@ -168,9 +182,17 @@ def test_head_first_inputs_warn_and_flas_layout_does_not(op, variant):
     gives the fix; (1, 6, 2, 4) and a one-token call (T = 1 < H = 2, decoding) do not warn."""
     fn = getattr(fla, op)
     x = arguments(op, variant)
-    first = "r" if "rwkv7" in op else "q"
+    first = "r" if "rwkv" in op else "q"
+    # DeltaProduct's k, v, beta have num_householder times q's tokens, RWKV-6's u is (H, K):
+    # swapped, the shapes no longer fit, and the shape error follows the warning.
+    uncomputable = op == "chunk_gated_delta_product" or "rwkv6" in op
+    mismatch = pytest.raises(ValueError) if uncomputable else None
     with pytest.warns(UserWarning, match=r"looks like a head-first \(B, H, T, K\)") as record:
-        fn(**head_first(x))
+        if mismatch is None:
+            fn(**head_first(x))
+        else:
+            with mismatch:
+                fn(**head_first(x))
     message = str(record[0].message)
     assert f"polylin.compat.fla.{op}: {first} of shape (1, 2, 6, 4)" in message
     assert "T=2 tokens < H=6 heads" in message
@@ -234,6 +256,13 @@ FLA_FILES = {
     "chunk_rwkv7": "rwkv7/chunk.py",
     "fused_recurrent_rwkv7": "rwkv7/fused_recurrent.py",
     "fused_mul_recurrent_rwkv7": "rwkv7/fused_recurrent.py",
+    "chunk_rwkv6": "rwkv6/chunk.py",
+    "fused_recurrent_rwkv6": "rwkv6/fused_recurrent.py",
+    "chunk_gated_delta_product": "gated_delta_product/chunk.py",
+    "chunk_comba": "comba/chunk.py",
+    "fused_recurrent_comba": "comba/fused_recurrent.py",
+    "chunk_gdn2": "gdn2/chunk.py",
+    "fused_recurrent_gdn2": "gdn2/fused_recurrent.py",
 }
 
 

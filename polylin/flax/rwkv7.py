@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .. import DEFAULT_CHUNK_SIZE
+from .. import DEFAULT_DPLR_CHUNK_SIZE
 from ..blocks import BlockCache, init_rwkv7, rwkv7, rwkv7_step
 from ._block import Block
 
@@ -113,7 +113,7 @@ class RWKV7Attention(Block):
         num_hidden_layers: int | None = None,
         *,
         method: str = "chunked",
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int = DEFAULT_DPLR_CHUNK_SIZE,
         params: Mapping[str, Any] | None = None,
         dtype: Any = None,
         device: Any = None,
