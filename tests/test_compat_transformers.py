@@ -23,7 +23,7 @@ from polylin.compat.transformers import (  # noqa: E402
     use_transformers_fallback,
 )
 
-VOCAB = 97
+from .transformers_models import VOCAB, relative, tokens  # noqa: E402
 
 
 def qwen3_next() -> Any:
@@ -71,15 +71,6 @@ def pair(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     layer_types = reference.config.layer_types
     assert "full_attention" in layer_types and "linear_attention" in layer_types
     return use_transformers_fallback(reference), use_polylin(polylin_model)
-
-
-def tokens(batch: int, length: int, seed: int = 1) -> Any:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, length), generator=generator)
-
-
-def relative(a: Any, b: Any) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def test_layers_converted(pair):

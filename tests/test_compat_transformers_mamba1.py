@@ -9,7 +9,6 @@ made to raise.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import sys
 from typing import Any
@@ -23,11 +22,9 @@ transformers = pytest.importorskip(
 
 from polylin.compat.transformers import (  # noqa: E402
     LAYER_CLASSES,
-    use_polylin,
-    use_transformers_fallback,
 )
 
-VOCAB = 97
+from .transformers_models import VOCAB, converted_layers, model_pair, outputs, relative, tokens  # noqa: E402
 
 
 def mamba() -> Any:
@@ -73,27 +70,7 @@ MODELS = {"mamba": mamba, "falcon_mamba": falcon_mamba, "jamba": jamba, "zamba":
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def pair(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     """The same random model twice: on transformers' own code, and on polylin."""
-    torch.manual_seed(0)
-    reference = MODELS[request.param]().float().eval()
-    polylin_model = copy.deepcopy(reference)
-    return use_transformers_fallback(reference), use_polylin(polylin_model)
-
-
-def tokens(batch: int, length: int, seed: int = 1) -> Any:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, length), generator=generator)
-
-
-def outputs(model: Any, ids: Any, **options: Any) -> Any:
-    return model(ids, **options).logits
-
-
-def relative(a: Any, b: Any) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def converted_layers(model: Any) -> list[Any]:
-    return [m for m in model.modules() if type(m).__name__ in LAYER_CLASSES]
+    return model_pair(MODELS[request.param])
 
 
 def test_every_family_is_registered():

@@ -27,7 +27,8 @@ from polylin.compat.transformers import (  # noqa: E402
 )
 from polylin.compat.transformers._mamba2 import KERNELS  # noqa: E402
 
-VOCAB = 97
+from .transformers_models import VOCAB, relative, tokens  # noqa: E402
+
 #: The SSD sizes every family shares: 8 heads of 16 (expand 2 of hidden 64), 2 groups of B and
 #: C of state size 16; transformers' own chunk of 16, so its scan crosses chunks.
 SSD = {"heads": 8, "head_dim": 16, "groups": 2, "state": 16, "chunk": 16}
@@ -123,20 +124,11 @@ def pair(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     return use_transformers_fallback(reference), use_polylin(polylin_model)
 
 
-def tokens(batch: int, length: int, seed: int = 1) -> Any:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, length), generator=generator)
-
-
 def left_padding(ids: Any, pads: tuple[int, ...]) -> Any:
     mask = torch.ones_like(ids)
     for row, count in enumerate(pads):
         mask[row, :count] = 0
     return mask
-
-
-def relative(a: Any, b: Any) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def test_every_family_is_registered():
