@@ -75,7 +75,7 @@ bench: $(VENV)/.test-stamp
 
 # What the GPU machine lacks (Python 3.12 there), for backends/gpu-check.sh; see docs/gpu.md.
 GPU_WHEELS = array-api-compat==1.16.0 array-api-strict==2.6.1 array-api-extra==0.11.5 fla-core==0.6.0 \
-	pytest-xdist==3.8.0 execnet==2.1.2
+	pytest-xdist==3.8.0 execnet==2.1.2 transformers==5.23.0
 gpu-wheels: $(VENV)/bin/python
 	$(PIP) download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

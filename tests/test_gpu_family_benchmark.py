@@ -101,3 +101,48 @@ def test_cuda_device_without_gpu_says_so(backend, tmp_path, capsys):
         pytest.skip("a CUDA device is present: the real benchmark runs in backends/gpu-check.sh")
     assert gpu_family.main(["--device", "cuda", "--json", str(tmp_path / "x.json")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_profile_smoke_run_measures_every_op_and_variant(backend, tmp_path):
+    """benchmarks/gpu_profile.py on the CPU: every op at every chunk size (and the gated delta
+    rule with the levels' inverse) has both passes timed; decoding is timed; the summary names
+    every row. (Graph replay and the kernel profile need CUDA.)"""
+    from benchmarks import gpu_profile
+
+    path = tmp_path / "profile.json"
+    argv = "--device cpu --T 48 --d 8 --batch 1 --heads 2 --dtype float32 --chunks 16 32"
+    argv = [*argv.split(), "--repeats", "1", "--json", str(path)]
+    assert gpu_profile.main(argv) == 0
+    report = json.loads(path.read_text())
+    assert report["schema"] == gpu_profile.SCHEMA
+    seen = {(r["op"], r["variant"]) for r in report["rows"] if r["forward_backward_ms"] > 0}
+    want = {(op, f"chunk {c}") for op in gpu_family.OPS for c in (16, 32)}
+    assert seen == want | {("chunk_gated_delta_rule", "levels")}
+    assert [r["batch"] for r in report["decoding"] if r["eager_us"] > 0] == [1, 64]
+    text = gpu_profile.summarize(report)
+    assert all(f"{op:24s} chunk 16" in text for op in gpu_family.OPS)
+
+
+def test_profile_chunk_size_reaches_the_chunked_forms(backend, monkeypatch):
+    """The profile's chunk-size context sets the chunk size the delta rule and linear attention
+    forms receive, and restores the forms after it."""
+    import polylin.attention
+    import polylin.delta_rule
+    from benchmarks import gpu_profile
+
+    seen = []
+    saved = polylin.delta_rule.delta_chunked
+    monkeypatch.setattr(
+        polylin.delta_rule,
+        "delta_chunked",
+        lambda *a, **k: seen.append(k["chunk_size"]) or saved(*a, **k),
+    )
+    torch = backend.module()
+    x = gpu_family.make_inputs(torch, 1, 20, 2, 8, "float32", "cpu")
+    linear = polylin.attention.causal_chunked
+    with gpu_profile.chunk_size(128):
+        gpu_family.op_call(compat, "chunk_gated_delta_rule", x)()
+    assert seen == [128]
+    assert polylin.attention.causal_chunked is linear
+    gpu_family.op_call(compat, "chunk_gated_delta_rule", x)()
+    assert seen == [128, 64]

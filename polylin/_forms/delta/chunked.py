@@ -229,14 +229,14 @@ def _block(
     Qs, Ps = (unstack(xp, x, axis=-3) for x in (queries, scores)) if in_loop else ((), ())
     outputs, states, corrections = [], [], []
     for n in range(len(Ts)):
-        W = matmul(xp, Ts[n], BVs[n] + matmul(xp, Rs[n], S))
+        W = matmul(xp, Ts[n], add_matmul(xp, BVs[n], Rs[n], S))
         if in_loop:
             outputs.append((matmul(xp, Qs[n], S) + matmul(xp, Ps[n], W))[..., None, :, :])
         else:
             states.append(S)
             corrections.append(W)
         S_kept = S if decays[n] is None else S * decays[n]
-        S = S_kept + matmul(xp, Ks[n], W)
+        S = add_matmul(xp, S_kept, Ks[n], W)
     if in_loop:
         return outputs, S
     starts = xp.stack(states, axis=-3)  # (..., N, d_k, d_v): the state before each chunk
