@@ -14,6 +14,10 @@ same name and signature; every implementation gets the same arguments, in fla's 
 - ``polylin_compiled`` (``--compile-ops``): ``torch.compile`` of that call for the ops named,
   at the first sequence length, dimension and dtype only, while at least 90 s of the budget
   are left (its compile time is recorded);
+- ``polylin_graphed`` (CUDA): polylin's op replayed as CUDA graphs, the forward captured by
+  ``torch.cuda.graph`` and the forward + backward by ``torch.cuda.make_graphed_callables``: the
+  same kernels without the host's launch overhead (polylin's ops never synchronize, so they
+  capture); decoding too, one token's call from a state;
 - ``polylin_cupy``: :mod:`polylin.compat.fla`'s op on CuPy views of the same tensors (DLPack;
   float32 only, forward only). With ``--device cpu``, NumPy stands in for CuPy;
 - ``sdpa``: flash softmax attention (``scaled_dot_product_attention(is_causal=True)``) on the
@@ -84,7 +88,7 @@ DECODE_OPS: dict[str, tuple[str, dict[str, Any]]] = {
 
 #: The goals of the GPU issue, as (ratio, limit, where).
 GOALS = (
-    ("polylin/fla", 2.0, "T = 8192, each op and pass, the best of eager and compiled"),
+    ("polylin/fla", 2.0, "T = 8192, each op and pass, the best of eager, compiled and graphed"),
     ("polylin/sdpa", 1.0, "T >= 4096, bfloat16, each op and pass"),
     ("cupy/polylin", 1.3, "each op, forward, float32"),
 )
@@ -225,6 +229,8 @@ def measure_cell(run: Run, op: str, T: int, d: int, dtype: str, compiled: bool) 
                 continue
             diff = _max_diff(torch, timing.output, reference) if mode == "forward" else None
             run.record(**cell, impl=name, mode=mode, ms=1e3 * seconds, max_abs_diff=diff)
+    if args.device == "cuda":
+        _measure_graphed(run, op, base, reference, cell)
     if compiled and args.time_budget - (time.perf_counter() - run.start) > COMPILE_RESERVE_S:
         _measure_compiled(run, op, base, reference, cell)
     if run.second is not None and dtype == "float32":
@@ -267,6 +273,64 @@ def _measure_compiled(run: Run, op: str, base: dict, reference: Any, cell: dict)
         diff = _max_diff(torch, timing.output, reference) if mode == "forward" else None
         run.record(**cell, impl="polylin_compiled", mode=mode, ms=1e3 * seconds,
                    max_abs_diff=diff, compile_s=compile_s)  # fmt: skip
+
+
+def graph_forward(torch: Any, call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` (a forward, run under ``no_grad``) captured once as a CUDA graph: a call that
+    replays it and returns its output buffer. Warmed up on a side stream, as capture requires
+    (lazy initializations and cached constants happen there, outside the graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = call()
+
+    def replay() -> Any:
+        graph.replay()
+        return out
+
+    return replay
+
+
+def _measure_graphed(run: Run, op: str, base: dict, reference: Any, cell: dict) -> None:
+    """polylin's op replayed as CUDA graphs: the forward captured with ``torch.cuda.graph``, the
+    forward + backward with ``torch.cuda.make_graphed_callables`` (both the user's own PyTorch
+    calls; polylin's ops never synchronize with the host, so they capture)."""
+    torch = run.torch
+    names, options = OPS[op]
+    keys = ("q", "k", "v", *names)
+    fn = getattr(compat, op)
+
+    def positional(*arrays: Any) -> Any:
+        x = dict(zip(keys, arrays))
+        return fn(x["q"], x["k"], x["v"], **_keyword_inputs(names, x), **options)[0]
+
+    for mode in ("forward", "forward+backward"):
+        try:
+            if mode == "forward":
+                timed = graph_forward(torch, lambda: positional(*(base[n] for n in keys)))
+            else:
+                leaves = [base[n].detach().clone().requires_grad_(True) for n in keys]
+                graphed = torch.cuda.make_graphed_callables(positional, tuple(leaves))
+
+                def timed(graphed: Any = graphed, leaves: list = leaves) -> Any:
+                    for t in leaves:
+                        t.grad = None
+                    graphed(*leaves).float().sum().backward()
+                    return leaves[0].grad
+
+            seconds, timing = run.time(run.backend, timed)
+        except Exception as exc:
+            run.record(**cell, impl="polylin_graphed", mode=mode,
+                       error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            continue
+        diff = _max_diff(torch, timing.output, reference) if mode == "forward" else None
+        run.record(**cell, impl="polylin_graphed", mode=mode, ms=1e3 * seconds,
+                   max_abs_diff=diff)  # fmt: skip
 
 
 def _measure_sdpa(run: Run, base: dict, cell: dict) -> None:
@@ -347,9 +411,38 @@ def measure_decoding(run: Run, batch: int, d: int, tokens: int) -> None:
             outputs[name] = timing.output
             row = {"op": op, "batch": batch, "d": d, "impl": name}
             run.report["decoding"].append({**row, "us_per_token": 1e6 * seconds / tokens})
+            if name == "polylin" and args.device == "cuda":
+                _decode_graphed(run, getattr(module, op), per_token[0], names, options, row)
         if "fla" in outputs:
             diff = float((outputs["fla"].double() - outputs["polylin"].double()).abs().max())
             run.report["decoding"][-1]["max_abs_diff_vs_polylin"] = diff
+
+
+def _decode_graphed(
+    run: Run,
+    fn: Callable[..., Any],
+    x: dict[str, Any],
+    names: tuple[str, ...],
+    options: dict[str, Any],
+    row: dict[str, Any],
+) -> None:
+    """One token's call from a state, captured as a CUDA graph and replayed: the time per
+    token without the host's launch overhead (what a decoding loop under CUDA graphs pays)."""
+    torch = run.torch
+    state = fn(x["q"], x["k"], x["v"], **_keyword_inputs(names, x), **options,
+               output_final_state=True)[1]  # fmt: skip
+
+    def call() -> Any:
+        return fn(x["q"], x["k"], x["v"], **_keyword_inputs(names, x), **options,
+                  initial_state=state, output_final_state=True)[0]  # fmt: skip
+
+    try:
+        seconds, _ = run.time(run.backend, graph_forward(torch, call))
+    except Exception as exc:
+        run.report["decoding"].append({**row, "impl": "polylin_graphed",
+                                       "error": f"{type(exc).__name__}: {exc}"})  # fmt: skip
+        return
+    run.report["decoding"].append({**row, "impl": "polylin_graphed", "us_per_token": 1e6 * seconds})
 
 
 def ratios(report: dict) -> list[dict]:
@@ -362,7 +455,11 @@ def ratios(report: dict) -> list[dict]:
     for (op, T, d, dtype, mode, impl), ms in sorted(times.items()):
         if impl != "polylin":
             continue
-        best = min(ms, times.get((op, T, d, dtype, mode, "polylin_compiled"), math.inf))
+        best = min(
+            ms,
+            *(times.get((op, T, d, dtype, mode, impl), math.inf)
+              for impl in ("polylin_compiled", "polylin_graphed")),
+        )  # fmt: skip
         cell = {"op": op, "T": T, "d": d, "dtype": dtype, "mode": mode}
         theirs = times.get((op, T, d, dtype, mode, "fla"))
         if theirs is not None:
@@ -407,8 +504,8 @@ def summarize(report: dict) -> str:
                      f"{r['impl']:17s} {ms} {'' if diff is None else f'{diff:10.2e}'}"
                      + (f"  {r['error'][:80]}" if "error" in r else ""))  # fmt: skip
     for r in report["decoding"]:
-        lines.append(f"decode {r['op']} batch {r['batch']} d {r['d']} {r['impl']}: "
-                     f"{r['us_per_token']:.1f} us/token")  # fmt: skip
+        took = f"{r['us_per_token']:.1f} us/token" if "us_per_token" in r else r.get("error")
+        lines.append(f"decode {r['op']} batch {r['batch']} d {r['d']} {r['impl']}: {took}")
     for op, result in report["synchronization"].items():
         lines.append(f"host synchronization in {op}: {result}")
     for r in report["ratios"]:

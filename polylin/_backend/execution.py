@@ -32,6 +32,7 @@ __all__ = [
     "compiled",
     "compiling",
     "cpu_threads",
+    "eager_accelerator",
     "eager_constants",
     "eager_cpu",
     "materialized",
@@ -59,6 +60,23 @@ def eager_cpu(xp: Any, dev: Any) -> bool:
         return False
     # Under torch.compile the whole call becomes one graph that the compiler fuses and
     # schedules: blocks would only unroll into a graph that grows with T.
+    return not torch_module().compiler.is_compiling()
+
+
+def eager_accelerator(xp: Any, dev: Any) -> bool:
+    """Whether ``xp`` runs each operation at once on an accelerator: CuPy, PyTorch on a device
+    other than the CPU (not under ``torch.compile``).
+
+    There every operation is a kernel launch that the host pays for (on an H200, eager
+    PyTorch's host side is most of a chunked delta rule's time at T = 8192: ``docs/gpu.md``),
+    and a batched matmul copies each strided operand at every call. The chunked forms make their
+    inputs dense once and the delta rules take longer chunks (fewer sequential steps) there.
+    """
+    library = library_name(xp)
+    if library == "cupy":
+        return True
+    if library != "torch" or str(dev) == "cpu":
+        return False
     return not torch_module().compiler.is_compiling()
 
 

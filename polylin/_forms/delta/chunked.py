@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..._backend.execution import cpu_threads, eager_cpu
+from ..._backend.execution import cpu_threads, eager_accelerator, eager_cpu
 from ..._backend.namespace import device
 from ..._backend.ops import (
     add_matmul,
@@ -62,7 +62,7 @@ from ..common.intra_chunk import (
     segment_decay,
 )
 
-__all__ = ["BLOCK_ROWS", "delta_chunked"]
+__all__ = ["ACCELERATOR_CHUNK", "BLOCK_ROWS", "delta_chunked"]
 
 
 #: Rows (batch x tokens) per block of chunks and per thread (``_backend.execution.cpu_threads``) on
@@ -71,6 +71,12 @@ __all__ = ["BLOCK_ROWS", "delta_chunked"]
 #: thread gets a share of every operation large enough to pay for the split. Measured on PyTorch
 #: CPU by ``benchmarks/blocks.py``: see ``docs/performance.md``, "Blocks and threads".
 BLOCK_ROWS = 4096
+
+#: The shortest chunk on eager accelerators (PyTorch CUDA, CuPy), where each chunk's sequential
+#: step is a few kernel launches that the host pays for: the chunked gated delta rule at
+#: ``(2, 8192, 16, 64)`` on an H200 took 26 ms in chunks of 64, 18 ms in chunks of 128 and
+#: 9 ms in chunks of 256, forward, eager (``benchmarks/gpu_profile.py``, ``docs/gpu.md``).
+ACCELERATOR_CHUNK = 128
 
 
 def delta_chunked(
@@ -91,7 +97,8 @@ def delta_chunked(
     The chunk length is rounded up to a power of two (the levels of
     :func:`polylin._forms.common.intra_chunk.intra_chunk` halve it); zero padding changes no result.
     On eager CPU backends the chunks are processed in blocks of about :data:`BLOCK_ROWS` rows per
-    thread; lazy and accelerator backends get one block. Blocks come from one reshape and one
+    thread; lazy and accelerator backends get one block, and eager accelerators chunks of at
+    least :data:`ACCELERATOR_CHUNK` tokens and dense inputs. Blocks come from one reshape and one
     ``unstack`` per input (autograd sees no per-block slice); each array keeps its own leading
     dimensions (grouped heads broadcast, nothing is copied per group).
 
@@ -104,6 +111,9 @@ def delta_chunked(
     T = k.shape[-2]
     if T == 0:
         return v[..., :0, :], S
+    accelerator = eager_accelerator(xp, device(k))
+    if accelerator:  # fewer sequential steps, each a few launches (ACCELERATOR_CHUNK)
+        chunk_size = max(chunk_size, ACCELERATOR_CHUNK)
     chunk = 1 << (min(chunk_size, T) - 1).bit_length()
     n_chunks = -(-T // chunk)
     per_block = n_chunks
@@ -123,7 +133,12 @@ def delta_chunked(
     ]
     blocks: list[Sequence[Any]]
     if n_blocks == 1:
-        blocks = [[x[..., 0, :, :, :] for x in arrays]]
+        # On an accelerator a strided input (fla's (B, T, H, d) read as (B, H, T, d)) would
+        # make every array derived from it strided, and each batched matmul of the chunk loop
+        # would copy its operands per chunk: one copy of each input here instead.
+        blocks = [
+            [dense(xp, x) if accelerator else x for x in (y[..., 0, :, :, :] for y in arrays)]
+        ]
     else:
         blocks = list(zip(*(unstack(xp, x, axis=-4) for x in arrays)))
         # A flattening reshape copies the strided block of q and k once (matmul would copy

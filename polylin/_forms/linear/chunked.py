@@ -53,7 +53,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..._backend.execution import eager_cpu, rows_in_whole_chunks
+from ..._backend.execution import eager_accelerator, eager_cpu, rows_in_whole_chunks
 from ..._backend.namespace import device
 from ..._backend.ops import (
     add_matmul,
@@ -141,11 +141,17 @@ def causal_chunked(
     block = block_tokens(eager, T, chunk, token_bytes)
     causal = causal_mask(xp, chunk, chunk, dev)
     outputs = []
+    # A strided block (cut from a longer sequence, or on an accelerator fla's (B, T, H, d) read
+    # as (B, H, T, d)): copied once here, not by every matmul (_backend.ops.dense).
+    accelerator = eager_accelerator(xp, dev)
+    strided = block < T or accelerator
     pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))
     for q_b, k_b, v_b, mask_b, decay_b in zip(*pieces):
         fq, fk = features(q_b, k_b, mask_b)
-        if block < T:  # a strided block: copied once here, not by every matmul (_backend.ops.dense)
+        if strided:
             fq, fk, v_b = (dense(xp, x) for x in (fq, fk, v_b))
+        if accelerator and decay_b is not None:  # the gate's cumulative sums and scalings too
+            decay_b = dense(xp, decay_b)
         out, S, z = _block(
             xp, fq, fk, v_b, decay_b, S, z, causal, eps=eps, normalize=normalize, chained=eager
         )
