@@ -51,8 +51,11 @@ SCHEMA = "polylin-bench-gpu-profile/1"
 
 @contextlib.contextmanager
 def chunk_size(size: int) -> Iterator[None]:
-    """Every chunked form called in the block runs with ``chunk_size=size``."""
+    """Every chunked form called in the block runs with ``chunk_size=size`` (the delta rules'
+    shortest chunk on accelerators, ``ACCELERATOR_CHUNK``, lowered to it too)."""
     saved = delta_module.delta_chunked, attention_module.causal_chunked
+    floor = delta_chunked_module.ACCELERATOR_CHUNK
+    delta_chunked_module.ACCELERATOR_CHUNK = min(floor, size)
 
     def delta(*args: Any, **kwargs: Any) -> Any:
         return saved[0](*args, **{**kwargs, "chunk_size": size})
@@ -65,6 +68,7 @@ def chunk_size(size: int) -> Iterator[None]:
         yield
     finally:
         delta_module.delta_chunked, attention_module.causal_chunked = saved
+        delta_chunked_module.ACCELERATOR_CHUNK = floor
 
 
 @contextlib.contextmanager
