@@ -75,8 +75,9 @@ BLOCK_ROWS = 4096
 #: The shortest chunk on eager accelerators (PyTorch CUDA, CuPy), where each chunk's sequential
 #: step is a few kernel launches that the host pays for: the chunked gated delta rule at
 #: ``(2, 8192, 16, 64)`` on an H200 took 26 ms in chunks of 64, 18 ms in chunks of 128 and
-#: 9 ms in chunks of 256, forward, eager (``benchmarks/gpu_profile.py``, ``docs/gpu.md``).
-ACCELERATOR_CHUNK = 128
+#: 8 ms in chunks of 256 (forward + backward: 100, 55 and 32 ms), eager, with float32 errors
+#: of 4e-7 against float64 at every size (``benchmarks/gpu_profile.py``, ``docs/gpu.md``).
+ACCELERATOR_CHUNK = 256
 
 
 def delta_chunked(
@@ -157,7 +158,10 @@ def delta_chunked(
             Q, K = l2_normalize(xp, Q), l2_normalize(xp, K)
         if scale != 1.0:
             Q = Q * scale
-        outputs, S = _block(xp, Q, K, *rest, S=S, causal=causal, in_loop=eager and threads == 1)
+        outputs, S = _block(
+            xp, Q, K, *rest, S=S, causal=causal, in_loop=eager and threads == 1,
+            chunk_major=accelerator,
+        )  # fmt: skip
         pieces.extend(outputs)
     out = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-3)
     out = xp.reshape(out, (*out.shape[:-3], padded, out.shape[-1]))
@@ -208,14 +212,25 @@ def _factored(
 
 
 def _block(
-    xp: Any, Q: Any, K: Any, V: Any, B: Any, *rest: Any, S: Any, causal: Any, in_loop: bool
+    xp: Any,
+    Q: Any,
+    K: Any,
+    V: Any,
+    B: Any,
+    *rest: Any,
+    S: Any,
+    causal: Any,
+    in_loop: bool,
+    chunk_major: bool = False,
 ) -> tuple[list[Any], Any]:
     """Outputs of N consecutive chunks from the state ``S``, and the state after them: the
     outputs as pieces ``(..., chunks, C, d_v)`` in order (one per chunk when ``in_loop``, else
     one of all N). ``Q, K, V, B`` (and the log decays, if any) are ``(..., N, C, d)``.
 
     The intra-chunk matrices come from :func:`_factored` where the library solves triangular
-    systems and the gate (if any) is a scalar, else from :func:`_levels`.
+    systems and the gate (if any) is a scalar, else from :func:`_levels`. ``chunk_major``
+    (accelerators) copies each operand of the chunk loop once with the chunk axis first, so
+    that every chunk's matrices are dense and the batched products copy nothing per chunk.
     """
     G = rest[0] if rest else None
     solve = unit_lower_solver(xp, K)
@@ -227,10 +242,12 @@ def _block(
     # The state recurrence across chunks is sequential: S_n feeds W_n. Each input is unstacked
     # once (one op for autograd); per chunk W_n = T_n (diag(beta) V_n + keys_rhs_n S_n) and the
     # state update remain (T applied once, to the sum, not to each term before the loop).
-    Ts, BVs, Rs, Ks = (
-        unstack(xp, x, axis=-3)
-        for x in (inverse, V * B, keys_rhs, xp.matrix_transpose(blocks.keys))
-    )
+    operands = (inverse, V * B, keys_rhs, xp.matrix_transpose(blocks.keys))
+    axis = -3
+    if chunk_major:  # each chunk's operands one dense array: no copy inside the products
+        operands = tuple(dense(xp, xp.moveaxis(x, -3, 0)) for x in operands)
+        axis = 0
+    Ts, BVs, Rs, Ks = (unstack(xp, x, axis=axis) for x in operands)
     decays = (
         [None] * len(Ts)
         if blocks.whole is None
