@@ -48,9 +48,11 @@ import argparse
 import contextlib
 import json
 import math
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -70,11 +72,11 @@ JSON_NAME = "bench-family.json"
 
 #: op -> (its per-token inputs besides q, k, v, its extra keyword arguments).
 OPS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "chunk_gated_delta_rule": (("g_token", "beta"), {"use_qk_l2norm_in_kernel": True}),
+    "chunk_kda": (("g_channel", "beta"), {"use_qk_l2norm_in_kernel": True}),
     "chunk_linear_attn": ((), {"normalize": False}),
     "chunk_simple_gla": (("g_token",), {}),
     "chunk_gla": (("g_channel",), {}),
-    "chunk_gated_delta_rule": (("g_token", "beta"), {"use_qk_l2norm_in_kernel": True}),
-    "chunk_kda": (("g_channel", "beta"), {"use_qk_l2norm_in_kernel": True}),
 }
 
 #: decoding op -> (the chunk op whose inputs it takes, its extra keyword arguments).
@@ -92,6 +94,31 @@ GOALS = (
     ("polylin/sdpa", 1.0, "T >= 4096, bfloat16, each op and pass"),
     ("cupy/polylin", 1.3, "each op, forward, float32"),
 )
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """A ``TimeoutError`` raised in the block after ``seconds`` (``SIGALRM``; where there is no
+    such signal, or off the main thread, no limit). A Triton autotuning that takes minutes for
+    one shape is then one recorded error, not the end of the run's budget."""
+    if (
+        seconds <= 0
+        or not hasattr(signal, "SIGALRM")
+        or (threading.current_thread() is not threading.main_thread())
+    ):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"no result within {seconds:g} s (--call-limit)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _keyword_inputs(names: tuple[str, ...], x: dict[str, Any]) -> dict[str, Any]:
@@ -196,7 +223,10 @@ class Run:
             Path(self.args.json).write_text(json.dumps(self.report, indent=2) + "\n")
 
     def time(self, backend: Backend, fn: Callable[[], Any]) -> tuple[float, Any]:
-        timing = time_call(backend, fn, repeats=self.args.repeats, budget_s=2.0)
+        """The median of ``fn``'s timed calls and their :class:`Timing`, within
+        ``--call-limit`` seconds (a ``TimeoutError`` past it)."""
+        with time_limit(self.args.call_limit):
+            timing = time_call(backend, fn, repeats=self.args.repeats, budget_s=2.0)
         return timing.median, timing
 
     def record(self, **fields: Any) -> None:
@@ -311,17 +341,18 @@ def _measure_graphed(run: Run, op: str, base: dict, reference: Any, cell: dict) 
 
     for mode in ("forward", "forward+backward"):
         try:
-            if mode == "forward":
-                timed = graph_forward(torch, lambda: positional(*(base[n] for n in keys)))
-            else:
-                leaves = [base[n].detach().clone().requires_grad_(True) for n in keys]
-                graphed = torch.cuda.make_graphed_callables(positional, tuple(leaves))
+            with time_limit(run.args.call_limit):  # the capture (warm-up calls included)
+                if mode == "forward":
+                    timed = graph_forward(torch, lambda: positional(*(base[n] for n in keys)))
+                else:
+                    leaves = [base[n].detach().clone().requires_grad_(True) for n in keys]
+                    graphed = torch.cuda.make_graphed_callables(positional, tuple(leaves))
 
-                def timed(graphed: Any = graphed, leaves: list = leaves) -> Any:
-                    for t in leaves:
-                        t.grad = None
-                    graphed(*leaves).float().sum().backward()
-                    return leaves[0].grad
+                    def timed(graphed: Any = graphed, leaves: list = leaves) -> Any:
+                        for t in leaves:
+                            t.grad = None
+                        graphed(*leaves).float().sum().backward()
+                        return leaves[0].grad
 
             seconds, timing = run.time(run.backend, timed)
         except Exception as exc:
@@ -538,6 +569,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--time-budget", type=float, default=150.0, help="seconds")
+    parser.add_argument(
+        "--call-limit", type=float, default=45.0,
+        help="seconds for one implementation's warm-up and timed calls (0: none)",
+    )  # fmt: skip
     parser.add_argument("--json", default=JSON_NAME)
     parser.add_argument("--summary-of", metavar="JSON", help="print a report's summary only")
     return parser.parse_args(argv)

@@ -146,3 +146,19 @@ def test_profile_chunk_size_reaches_the_chunked_forms(backend, monkeypatch):
     assert polylin.attention.causal_chunked is linear
     gpu_family.op_call(compat, "chunk_gated_delta_rule", x)()
     assert seen == [128, 64]
+
+
+def test_a_call_past_its_limit_is_an_error_not_the_end_of_the_run():
+    """``time_limit`` interrupts a call that runs past it (a stuck autotuning), restores the
+    previous handler, and a limit of 0 is none."""
+    import signal
+    import time
+
+    handler = signal.getsignal(signal.SIGALRM)
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"0\.2 s"), gpu_family.time_limit(0.2):
+        time.sleep(5)
+    assert time.perf_counter() - start < 2
+    assert signal.getsignal(signal.SIGALRM) == handler
+    with gpu_family.time_limit(0):
+        time.sleep(0.01)
