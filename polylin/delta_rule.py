@@ -149,7 +149,8 @@ def delta_rule_attention(
         ``"quadratic"``: the exact masked parallel form, O(T^2 d_k) time and memory.
     chunk_size : int
         Chunk length C of the chunked form (T need not be a multiple of it); rounded up to a
-        power of two.
+        power of two. On PyTorch CUDA and CuPy at least 256 (each chunk is a sequential step of
+        kernel launches there; see the page "GPU"); the results agree to round-off whatever C.
     initial_state : array, optional
         The state ``S`` to continue from, shape ``(..., d_k, d_v)``; one returned by either
         method, or one whose leading dimensions broadcast (a state shared by a batch or by
