@@ -351,10 +351,18 @@ def _check_reset(inputs: AttentionInputs, reset: Any, shape: tuple, name: str) -
     check_device(xp, inputs.device, "x", **{name: reset})
     if not xp.isdtype(reset.dtype, "bool"):
         raise TypeError(f"{name} must be a boolean array, got dtype {reset.dtype}")
-    if reset.ndim != len(shape) or reset.shape[-1] not in (1, shape[-1]):
+    check_known_shape(name, reset)
+    fits = reset.ndim == len(shape) and reset.shape[-1] in (1, shape[-1])
+    core = 1 if len(shape) == len(inputs.batch_shape) + 1 else 2
+    if fits and core == 2:
+        fits = reset.shape[-2] == shape[-2]
+    if fits:
+        lead = {"x": inputs.batch_shape, name: tuple(reset.shape[:-core])}
+        fits = broadcast_shapes(lead) == inputs.batch_shape
+    if not fits:
         raise ValueError(
-            f"{name} must have the shape of x {shape} with a channel axis of 1 or {shape[-1]}, "
-            f"got {tuple(reset.shape)}"
+            f"{name} must have the shape of x {shape} with a channel axis of 1 or {shape[-1]} "
+            f"(leading axes of size 1 broadcast), got {tuple(reset.shape)}"
         )
     return reset
 

@@ -42,7 +42,9 @@ def reference(x, log_a, *, state=None, mask=None):
     lead = np.broadcast_shapes(x.shape[:-2], log_a.shape[:-2])
     length, channels = x.shape[-2], x.shape[-1]
     x, log_a = (np.broadcast_to(a, (*lead, length, channels)) for a in (x, log_a))
-    keep = np.ones((*lead, length), bool) if mask is None else np.broadcast_to(mask, (*lead, length))
+    keep = (
+        np.ones((*lead, length), bool) if mask is None else np.broadcast_to(mask, (*lead, length))
+    )
     h = np.zeros((*lead, channels)) if state is None else np.array(
         np.broadcast_to(state, (*lead, channels)), np.float64)  # fmt: skip
     y = np.zeros((*lead, length, channels))

@@ -69,4 +69,3 @@ def selective_chunked(
     y = xp.stack(outputs, axis=-2)  # (..., n, L, D)
     y = xp.reshape(y, (*y.shape[:-3], padded, channels))
     return (y if padded == T else y[..., :T, :]), final
-
