@@ -23,16 +23,20 @@ from ._registry import Conversion
 
 def _gates(self: Any, activations: Any) -> tuple[Any, Any]:
     """The input and recurrent gates' pre-activations ``(batch, T, lru_width)``: per head,
-    ``x_h W_h + b_h`` (transformers' ``baddbmm``)."""
+    ``x_h W_h + b_h``, one batched matrix product per gate over ``(heads, batch T, block)``
+    as transformers computes them (``baddbmm``)."""
+    import torch
+
     batch, length, width = activations.shape
-    blocks = activations.reshape(batch, length, self.num_attention_heads, 1, self.block_width)
+    heads = self.num_attention_heads
+    blocks = activations.reshape(batch * length, heads, self.block_width).transpose(0, 1)
     out = []
     for weight, bias in (
         (self.input_gate_weight, self.input_gate_bias),
         (self.recurrent_gate_weight, self.recurrent_gate_bias),
     ):
-        gate = (blocks @ weight)[..., 0, :] + bias  # (batch, T, heads, block_width)
-        out.append(gate.reshape(batch, length, width))
+        gate = torch.baddbmm(bias[:, None, :], blocks, weight)  # (heads, batch T, block)
+        out.append(gate.transpose(0, 1).reshape(batch, length, width))
     return out[0], out[1]
 
 
