@@ -17,6 +17,7 @@ from typing import Any
 from ._backend.execution import check_static
 from ._backend.namespace import device as device_of
 from ._backend.ops import nonpositive
+from ._forms.common.scan import default_scan_chunk
 from ._forms.elementwise.chunked import scan_chunked
 from ._forms.elementwise.quadratic import scan_quadratic
 from ._forms.elementwise.recurrent import scan_recurrent, scan_step
@@ -107,12 +108,6 @@ def _check(
     return AttentionInputs(xp, device, x.dtype, work_dtype_for(xp, x.dtype), batch), channels
 
 
-def _default_chunk(length: int) -> int:
-    """About ``sqrt(T)`` (a power of two in [16, 256]): the chunked form then takes about
-    ``2 sqrt(T)`` steps."""
-    return min(256, max(16, 1 << round(math.log2(max(length, 1)) / 2)))
-
-
 def _scan_sequences(
     inputs: AttentionInputs,
     layout: SequenceLayout,
@@ -143,7 +138,7 @@ def _scan_sequences(
         shape = (*broadcast_shapes({"state": tuple(h.shape[:-1]), "x": shape[:-2]}), *shape[-2:])
         x, g = (a if tuple(a.shape) == shape else xp.broadcast_to(a, shape) for a in (x, g))
         if method == "chunked":
-            size = _default_chunk(x.shape[-2]) if chunk_size is None else int(chunk_size)
+            size = default_scan_chunk(x.shape[-2]) if chunk_size is None else int(chunk_size)
             return scan_chunked(xp, x, g, h, chunk_size=size)
         form = scan_recurrent if method == "recurrent" else scan_quadratic
         return form(xp, x, g, h)

@@ -11,11 +11,18 @@ sums of terms of one sign, never differences of cumulative sums, so every factor
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..._backend.ops import cumulative_sum, unstack
 
-__all__ = ["chunk_starts", "sum_after"]
+__all__ = ["chunk_starts", "default_scan_chunk", "sum_after"]
+
+
+def default_scan_chunk(length: int) -> int:
+    """The default chunk of a two-level scan of ``length`` tokens: about ``sqrt(T)`` (a power
+    of two in [16, 256]), so that the scan takes about ``2 sqrt(T)`` steps."""
+    return min(256, max(16, 1 << round(math.log2(max(length, 1)) / 2)))
 
 
 def sum_after(xp: Any, x: Any, *, axis: int = -2) -> Any:
