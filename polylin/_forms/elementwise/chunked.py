@@ -49,7 +49,8 @@ def scan_chunked(xp: Any, x: Any, g: Any, h: Any, *, chunk_size: int) -> tuple[A
         x, g = pad_rows(xp, x, padded - T), pad_rows(xp, g, padded - T)
     X, A = (xp.reshape(a, (*a.shape[:-2], n_chunks, length, channels)) for a in (x, xp.exp(g)))
     # 1. Every chunk from zero: the local states and the running decay products.
-    local, decay = [], []
+    local: list[Any] = []
+    decay: list[Any] = []
     for x_l, a_l in zip(unstack(xp, X, axis=-2), unstack(xp, A, axis=-2)):
         local.append(x_l if not local else a_l * local[-1] + x_l)
         decay.append(a_l if not decay else a_l * decay[-1])
