@@ -542,3 +542,29 @@ def test_inputs_are_not_modified(rng):
     linear_scan(x, -np.abs(i_gate), initial_state=h0, return_state=True)
     for before, after in zip(copies, arrays):
         np.testing.assert_array_equal(before, after)
+
+
+def test_resets_with_padding_and_packed_sequences(rng):
+    """A reset at the first real token of a left-padded row (what transformers' position ids
+    give), and resets inside packed sequences: as the unpadded, unpacked reference."""
+    x, i_gate, r_gate, param = make_gates(rng)
+    mask = np.ones((2, T), bool)
+    mask[1, :4] = False
+    reset = np.zeros((2, T, 1), bool)
+    reset[0, 0], reset[1, 4], reset[0, 9] = True, True, True
+    want, want_state = rg_lru_reference(x, i_gate, r_gate, param, reset=reset, mask=mask)
+    nan = lambda a: np.where(mask[..., None], a, np.nan)  # noqa: E731
+    for method in LINEAR_SCAN_METHODS:
+        out, state = rg_lru(nan(x), nan(i_gate), nan(r_gate), param, reset=reset,
+                            attention_mask=mask, method=method, chunk_size=4,
+                            return_state=True)  # fmt: skip
+        np.testing.assert_allclose(out, want, atol=ATOL64, rtol=0)
+        np.testing.assert_allclose(state, want_state, atol=ATOL64, rtol=0)
+    offsets = [0, 6, T]
+    out, state = rg_lru(x[:1], i_gate[:1], r_gate[:1], param, reset=reset[:1],
+                        cu_seqlens=offsets, chunk_size=4, return_state=True)  # fmt: skip
+    for i, (a, b) in enumerate(itertools.pairwise(offsets)):
+        piece = [v[:1, a:b] for v in (x, i_gate, r_gate)]
+        want, want_state = rg_lru_reference(*piece, param, reset=reset[:1, a:b])
+        np.testing.assert_allclose(out[:, a:b], want, atol=ATOL64, rtol=0)
+        np.testing.assert_allclose(state[:, i], want_state, atol=ATOL64, rtol=0)
