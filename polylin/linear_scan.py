@@ -23,6 +23,8 @@ from ._forms.elementwise.quadratic import scan_quadratic
 from ._forms.elementwise.recurrent import scan_recurrent, scan_step
 from ._inputs.arrays import (
     broadcast_shapes,
+    broadcasts_to,
+    check_beside,
     check_device,
     check_floating,
     check_known_shape,
@@ -149,7 +151,9 @@ def _scan_sequences(
         [inputs.to_work_dtype(a) for a in arrays],
         algorithm,
         length=length,
-        state_shape=(channels,),
+        check_state=lambda state, leading: _vector_state(
+            inputs, state, (*leading, channels), name="initial_state"
+        ),
         initial_state=initial_state,
         attention_mask=attention_mask,
         cu_seqlens=cu_seqlens,
@@ -157,8 +161,33 @@ def _scan_sequences(
     )
 
 
+def _vector_state(inputs: AttentionInputs, state: Any, shape: tuple, *, name: str) -> Any:
+    """A state of one value per channel, ``shape`` ``(..., D)``: ``None`` gives zeros; an array
+    must be of the inputs' library, device and work dtype, its leading axes broadcasting to
+    ``shape``'s (a state shared by a batch: returned broadcast, a view)."""
+    if state is None or isinstance(state, tuple):  # the matrix check's message for a tuple
+        return check_matrix_state(inputs, state, shape, name=name)
+    xp = inputs.xp
+    check_beside(xp, inputs.device, name, state, query="x")
+    check_floating(xp, name, state)
+    if state.dtype != inputs.work_dtype:
+        raise TypeError(
+            f"{name} has dtype {state.dtype} but inputs of dtype {inputs.dtype} are computed in "
+            f"{inputs.work_dtype}; pass a state of that dtype (the one polylin returns)"
+        )
+    check_known_shape(name, state)
+    got = tuple(state.shape)
+    if got == shape:
+        return state
+    if not broadcasts_to(got, shape, 1):
+        raise ValueError(
+            f"{name} must have shape {shape} (leading axes of size 1 broadcast), got {got}"
+        )
+    return xp.broadcast_to(state, shape)
+
+
 def _state(inputs: AttentionInputs, state: Any, channels: int) -> Any:
-    return check_matrix_state(inputs, state, (*inputs.batch_shape, channels), name="state")
+    return _vector_state(inputs, state, (*inputs.batch_shape, channels), name="state")
 
 
 def linear_scan(

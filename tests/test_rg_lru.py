@@ -568,3 +568,19 @@ def test_resets_with_padding_and_packed_sequences(rng):
         want, want_state = rg_lru_reference(*piece, param, reset=reset[:1, a:b])
         np.testing.assert_allclose(out[:, a:b], want, atol=ATOL64, rtol=0)
         np.testing.assert_allclose(state[:, i], want_state, atol=ATOL64, rtol=0)
+
+
+def test_a_shared_state_broadcasts(rng):
+    """A state ``(D,)`` or ``(1, D)`` serves a batch (sequence and step alike)."""
+    x, log_a = make_inputs(rng)
+    shared = rng.standard_normal(CH)
+    want, want_state = reference(x, log_a, state=shared)
+    for state in (shared, shared[None]):
+        out, last = linear_scan(x, log_a, initial_state=state, return_state=True)
+        np.testing.assert_allclose(out, want, atol=ATOL64, rtol=0)
+        np.testing.assert_allclose(last, want_state, atol=ATOL64, rtol=0)
+        y, h = linear_scan_step(x[:, 0], log_a[:, 0], state)
+        np.testing.assert_allclose(y, want[:, 0], atol=ATOL64, rtol=0)
+        assert h.shape == (2, CH)
+    with pytest.raises(ValueError, match=r"state must have shape \(2, 5\)"):
+        linear_scan_step(x[:, 0], log_a[:, 0], np.ones((3, CH)))
