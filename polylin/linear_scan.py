@@ -229,7 +229,8 @@ def linear_scan(
         power of two in ``[16, 256]``.
     initial_state : array, optional
         The state to continue from, ``(..., D)`` in the work dtype (the inputs' broadcast
-        leading dimensions without T). With ``cu_seqlens`` one per sequence: ``(..., S, D)``.
+        leading dimensions without T; size-1 or missing leading axes broadcast). With
+        ``cu_seqlens`` one per sequence: ``(..., S, D)``.
     return_state : bool
         Also return the state after the last token.
     attention_mask : array of bool, optional
@@ -304,8 +305,8 @@ def linear_scan_step(
         Its log decay, ``(..., D)`` or ``(..., 1)``, any real floating dtype, ``<= 0``
         (values above 0 are taken as 0; ``-inf`` drops the state).
     state : array, optional
-        The state before this token, ``(..., D)`` in the work dtype; ``None`` starts from
-        zeros.
+        The state before this token, ``(..., D)`` in the work dtype (size-1 or missing
+        leading axes broadcast); ``None`` starts from zeros.
 
     Returns
     -------
@@ -440,8 +441,8 @@ def rg_lru(
     chunk_size : int, optional
         As for :func:`linear_scan`.
     initial_state : array, optional
-        The state to continue from, ``(..., D)`` in the work dtype; with ``cu_seqlens``
-        ``(..., S, D)``.
+        The state to continue from, ``(..., D)`` in the work dtype (size-1 or missing leading
+        axes broadcast); with ``cu_seqlens`` ``(..., S, D)``.
     return_state : bool
         Also return the state after the last token.
     attention_mask : array of bool, optional
@@ -541,8 +542,8 @@ def rg_lru_step(
     recurrent_param : array
         ``Lambda``, ``(D,)`` or ``(..., D)``, any real floating dtype.
     state : array, optional
-        The state before this token, ``(..., D)`` in the work dtype; ``None`` starts from
-        zeros.
+        The state before this token, ``(..., D)`` in the work dtype (size-1 or missing
+        leading axes broadcast); ``None`` starts from zeros.
     c : float
         The constant of the decay, > 0.
     reset : array of bool, optional
