@@ -19,6 +19,7 @@ from .delta_rule import (
     prepare_delta_rule_step,
 )
 from .dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step, prepare_dplr_step
+from .linear_scan import linear_scan, linear_scan_step, rg_lru, rg_lru_step
 from .mlstm import MLSTMState, mlstm, mlstm_step
 from .normalization import group_norm, rms_norm
 from .selective_scan import selective_scan, selective_scan_step
@@ -47,12 +48,16 @@ __all__ = [
     "feature_maps",
     "group_norm",
     "linear_attention",
+    "linear_scan",
+    "linear_scan_step",
     "masked_kernel_attention",
     "mlstm",
     "mlstm_step",
     "prepare_delta_rule_step",
     "prepare_dplr_step",
     "prepare_step",
+    "rg_lru",
+    "rg_lru_step",
     "rms_norm",
     "selective_scan",
     "selective_scan_step",

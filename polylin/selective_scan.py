@@ -7,12 +7,12 @@ channel and the state axis. See ``docs/selective_scan.md`` for the math and the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ._backend.namespace import device as device_of
 from ._backend.ops import nonpositive
+from ._forms.common.scan import default_scan_chunk
 from ._forms.selective.chunked import selective_chunked
 from ._forms.selective.quadratic import selective_quadratic
 from ._forms.selective.recurrent import selective_recurrent, selective_step
@@ -134,12 +134,6 @@ def _time_steps(xp: Any, dt: Any, bias: Any | None, dt_softplus: bool) -> Any:
     if dt_softplus:
         dt = softplus(dt)
     return -nonpositive(xp, -dt)
-
-
-def _default_chunk(length: int) -> int:
-    """About ``sqrt(T)`` (a power of two in [16, 256]): the chunked form then takes about
-    ``2 sqrt(T)`` steps."""
-    return min(256, max(16, 1 << round(math.log2(max(length, 1)) / 2)))
 
 
 def selective_scan(
@@ -282,7 +276,7 @@ def selective_scan(
         if keep is not None:  # softplus(0 + bias) is not 0: masked steps are selected again
             dt = xp.where(keep, dt, 0.0)
         if method == "chunked":
-            size = _default_chunk(x.shape[-2]) if chunk_size is None else int(chunk_size)
+            size = default_scan_chunk(x.shape[-2]) if chunk_size is None else int(chunk_size)
             y, h = selective_chunked(xp, x, dt, A_work, B, C, h, chunk_size=size)
         else:
             form = selective_recurrent if method == "recurrent" else selective_quadratic

@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..._backend.namespace import device
-from ..._backend.ops import cumulative_sum, matmul, pad_rows, unstack
+from ..._backend.ops import matmul, pad_rows, unstack
+from ..common.scan import chunk_starts, sum_after
 
 __all__ = ["selective_chunked"]
 
@@ -54,16 +55,12 @@ def selective_chunked(
     U = DT * X  # (..., n, L, D): what each token writes, before B
     per_chunk = A[..., None, :, :]  # (..., 1, D, N) against (..., n, D, N)
     # 1. What each chunk adds from zero, and its decay.
-    after = _sum_after(xp, DT)  # (..., n, L, D)
+    after = sum_after(xp, DT)  # (..., n, L, D)
     weights = xp.exp(after[..., None] * A[..., None, None, :, :]) * U[..., None]
     added = xp.sum(weights * Bc[..., :, None, :], axis=-3)  # (..., n, D, N)
     chunk_decay = xp.exp(xp.sum(DT, axis=-2)[..., None] * per_chunk)
     # 2. The state at the start of every chunk.
-    starts = [h]
-    for decay, increment in zip(unstack(xp, chunk_decay, axis=-3), unstack(xp, added, axis=-3)):
-        starts.append(decay * starts[-1] + increment)
-    final = starts.pop()
-    state = xp.stack(starts, axis=-3)  # (..., n, D, N)
+    state, final = chunk_starts(xp, chunk_decay, added, h, axis=-3)  # (..., n, D, N)
     # 3. Every chunk from its start state, one position at a time.
     outputs = []
     for dt_l, u_l, B_l, C_l in zip(*(unstack(xp, a, axis=-2) for a in (DT, U, Bc, Cc))):
@@ -72,10 +69,3 @@ def selective_chunked(
     y = xp.stack(outputs, axis=-2)  # (..., n, L, D)
     y = xp.reshape(y, (*y.shape[:-3], padded, channels))
     return (y if padded == T else y[..., :T, :]), final
-
-
-def _sum_after(xp: Any, x: Any) -> Any:
-    """``sum_{r > l} x_r`` within each chunk (axis -2): a reversed exclusive cumulative sum
-    (of terms of one sign: no cancellation)."""
-    flipped = cumulative_sum(xp, xp.flip(x, axis=-2), axis=-2, include_initial=True)
-    return xp.flip(flipped[..., :-1, :], axis=-2)

@@ -19,6 +19,7 @@ from ._lightning import CONVERSIONS as _LIGHTNING
 from ._mamba1 import CONVERSIONS as _MAMBA1
 from ._mamba2 import CONVERSIONS as _MAMBA2
 from ._registry import Conversion
+from ._rg_lru import CONVERSIONS as _RG_LRU
 from ._short_conv import CONVERSIONS as _SHORT_CONV
 from ._xlstm import CONVERSIONS as _XLSTM
 
@@ -34,6 +35,7 @@ LAYER_CLASSES: dict[str, Conversion] = {
     **_LIGHTNING,
     **_SHORT_CONV,
     **_XLSTM,
+    **_RG_LRU,
 }
 
 

@@ -1,0 +1,1 @@
+"""The elementwise linear recurrence (RG-LRU's scan): one state value per channel."""
