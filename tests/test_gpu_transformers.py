@@ -38,6 +38,8 @@ def _builders() -> dict[str, Callable[[], Any]]:
         found.update(module.MODELS)
     xlstm = importlib.import_module("tests.test_compat_transformers_xlstm")
     found["xlstm"] = xlstm.model
+    rg_lru = importlib.import_module("tests.test_compat_transformers_rg_lru")
+    found["recurrent_gemma"] = rg_lru.recurrent_gemma
     return found
 
 
