@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and 
 
 import polylin.attention as attention_module  # noqa: E402
 import polylin.delta_rule as delta_module  # noqa: E402
-from benchmarks.gpu_family import OPS, make_inputs, op_call  # noqa: E402
+from benchmarks.gpu_family import OPS, graph_forward, make_inputs, op_call  # noqa: E402
 from benchmarks.timing import run_metadata, time_call  # noqa: E402
 from polylin._forms.delta import chunked as delta_chunked_module  # noqa: E402
 from polylin.compat import fla as compat  # noqa: E402
@@ -123,17 +123,7 @@ def _no_grad(torch: Any, call: Callable[[], Any]) -> Callable[[], Any]:
 
 def graph_ms(p: Profile, call: Callable[[], Any]) -> float:
     """Median milliseconds of ``call``'s forward replayed as a CUDA graph."""
-    torch = p.torch
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up on a side stream, as capture requires
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        call()
-    return p.median_ms(lambda: (graph.replay(), torch.zeros(()))[1])
+    return p.median_ms(graph_forward(p.torch, call))
 
 
 def kernel_profile(p: Profile, call: Callable[[], Any]) -> dict[str, Any]:
