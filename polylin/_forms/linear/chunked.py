@@ -58,17 +58,16 @@ from ..._backend.namespace import device
 from ..._backend.ops import (
     add_matmul,
     causal_mask,
-    concat_leading,
     cumulative_sum,
     dense,
     keep_lower,
     matmul,
     pad_rows,
     split_rows,
-    unstack,
     widens,
 )
 from ..common.intra_chunk import SCORES, intra_chunk, scalar_gate_scores
+from ..common.prefix import chunk_prefix
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
 
@@ -219,8 +218,8 @@ def _block(
             scores, queries, keys, chunk_decay = _channel_gate(xp, Q, K, G)
             decay = xp.matrix_transpose(chunk_decay)  # (..., n, d_phi, 1): scales state rows
             increments = _increments(xp, keys, V)
-    states, S = _prefix(xp, increments[0], decay, S, chained=chained)
-    z_states, z = _prefix(xp, increments[1], decay, z, chained=chained)
+    states, S = chunk_prefix(xp, increments[0], decay, S, chained=chained)
+    z_states, z = chunk_prefix(xp, increments[1], decay, z, chained=chained)
     out = add_matmul(xp, _from_states(xp, queries, states, weights), scores, V)  # one baddbmm
     out = _rows(xp, out, padded, length)
     if not normalize:
@@ -271,46 +270,3 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     """
     blocks = intra_chunk(xp, K, G, [(Q, SCORES)])
     return blocks.matrices[0], blocks.rows[0], blocks.keys, blocks.whole
-
-
-def _prefix(
-    xp: Any, increments: Any, decay: Any | None, state: Any, *, chained: bool
-) -> tuple[Any, Any]:
-    """States before each chunk and after the last: ``S_{n+1} = decay_n * S_n + U_n``.
-
-    ``increments`` is ``(..., n, d_phi, d_v + 1)``, ``decay`` ``(..., n, 1 or d_phi, 1)`` or
-    None (no decay). ``chained``: a Python chain over the chunks, one ``unstack`` in and one
-    ``stack`` out (a block holds few chunks). Otherwise one ``cumulative_sum`` without decay, and
-    with decay a scan of logarithmic depth over the chunk axis (Hillis-Steele on the pairs
-    ``(decay, increment)``; every product of decays is <= 1).
-    """
-    if chained:
-        running = [state]
-        decays = [None] * increments.shape[-3] if decay is None else unstack(xp, decay, axis=-3)
-        for increment, factor in zip(unstack(xp, increments, axis=-3), decays):
-            previous = running[-1] if factor is None else factor * running[-1]
-            running.append(previous + increment)
-        new_state = running.pop()
-        return xp.stack(running, axis=-3), new_state
-    if decay is None:
-        prefix = cumulative_sum(xp, increments, axis=-3, include_initial=True)
-        return prefix[..., :-1, :, :] + state[..., None, :, :], state + prefix[..., -1, :, :]
-    # Prepend (1, S_0): the inclusive scan then yields every state, the final one last. The
-    # increments may have fewer leading dimensions than the state (values shared by a group of
-    # query heads): the state's are the broadcast ones.
-    values = concat_leading(xp, [state[..., None, :, :], increments], axis=-3)
-    factors = xp.concat([xp.ones_like(decay[..., :1, :, :]), decay], axis=-3)
-    count = values.shape[-3]
-    shift = 1
-    while shift < count:
-        values = values + factors * _shift_chunks(xp, values, shift, 0.0)
-        if 2 * shift < count:
-            factors = factors * _shift_chunks(xp, factors, shift, 1.0)
-        shift *= 2
-    return values[..., :-1, :, :], values[..., -1, :, :]
-
-
-def _shift_chunks(xp: Any, x: Any, shift: int, fill: float) -> Any:
-    """``x`` moved ``shift`` places along the chunk axis (-3), the first places ``fill``."""
-    head = xp.full((*x.shape[:-3], shift, *x.shape[-2:]), fill, dtype=x.dtype, device=device(x))
-    return xp.concat([head, x[..., :-shift, :, :]], axis=-3)
