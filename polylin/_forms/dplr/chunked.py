@@ -102,12 +102,13 @@ def _chunks(
     )
     G = rest[0] if rest else None
     # Two sets of keys, k and b; the queries meet both (outputs), the a rows read before their
-    # own token's decay (reads: strictly lower, the system's matrix for b).
-    with_k = intra_chunk(xp, K, G, [(Q, SCORES), (A, READ_SCORES)])
-    with_b = intra_chunk(xp, B, G, [(Q, SCORES), (A, READ_SOLVE)])
-    (A_qk, A_ak), (queries, reads) = with_k.matrices, with_k.rows
-    (A_qb, inverse), values = with_b.matrices, with_b.keys
-    keys, whole = with_k.keys, with_k.whole
+    # own token's decay (reads: strictly lower, the system's matrix for b). Each row set is
+    # decayed once for both key sets, level by level.
+    both = intra_chunk(xp, [K, B], G, [(Q, (SCORES, SCORES)), (A, (READ_SCORES, READ_SOLVE))])
+    (A_qk, A_qb), (A_ak, inverse) = both.matrices
+    queries, reads = both.rows
+    keys, values = both.keys
+    whole = both.whole
     U = xp.matmul(inverse, xp.matmul(A_ak, V))  # R_n = U_n + W_n S_n
     W = xp.matmul(inverse, reads)
     increments = xp.matmul(xp.matrix_transpose(keys), V)  # (..., n, d_k, d_v)
