@@ -22,8 +22,10 @@ over blocks of 2, 4, ..., C tokens (C rounded up to a power of two): in every bl
 of the lower half meet the keys of the upper half through the block's middle, both factors
 <= 1, one batched matmul per level (:func:`_channel_gate`). Its factors are products of the
 per-token ``exp(g_t)``; after the last level they are the ``exp(b)``, ``exp(B - b)`` and
-``exp(B)`` of the formulas above. Both constructions live in
-:mod:`polylin._forms.common.intra_chunk`, shared with the delta rule's chunked form.
+``exp(B)`` of the formulas above; on eager CPU backends such chunks are at most
+:func:`channel_chunk` tokens long (fewer levels where the state, not the levels, dominates).
+Both constructions live in :mod:`polylin._forms.common.intra_chunk`, shared with the delta
+rule's chunked form.
 
 The normalizer's running sum ``z`` is carried like one more column of ``S`` (as if V had a
 column of ones: the increments get the column sums of K, the intra-chunk normalizers the row
@@ -69,7 +71,7 @@ from ..._backend.ops import (
 from ..common.intra_chunk import SCORES, intra_chunk, scalar_gate_scores
 from ..common.prefix import chunk_prefix
 
-__all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
+__all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked", "channel_chunk"]
 
 #: Bytes per block on eager CPU backends, counted as batch x tokens x (d_phi + d_v) x itemsize;
 #: chosen by measurement (``docs/performance.md``): 2 MiB is 4096 rows (batch x tokens) at
@@ -81,6 +83,18 @@ BLOCK_BYTES = 2 * 2**20
 #: ``features(q, k, mask)`` returns ``(phi(q), phi(k))`` of one block of tokens in the work
 #: dtype, masked keys already zeroed (``mask`` is that block of the attention mask, or None).
 Features = Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+def channel_chunk(d_phi: int) -> int:
+    """The longest chunk a per-channel gate runs on eager CPU backends: ``max(32, d_phi // 2)``
+    tokens.
+
+    Its levels cost ``O(C d log C)`` products per chunk against ``O(d^2)`` per chunk for the
+    state; measured on PyTorch, one thread (``GLA`` at T = 512 and 2048, forward and backward):
+    chunks of 32 took 0.91-0.97x the time of 64 at d = 64, and 1.04-1.06x at d = 128 (16: no
+    faster than 32 at d = 64). Shorter chunks change no result beyond rounding.
+    """
+    return max(32, d_phi // 2)
 
 
 def block_tokens(eager: bool, length: int, chunk: int, token_bytes: int) -> int:
@@ -127,11 +141,13 @@ def causal_chunked(
     z = z[..., None]  # (..., d_phi, 1): carried like a column of S (module docstring)
     chunk = min(chunk_size, T)
     channels = log_decay is not None and log_decay.shape[-1] != 1
+    eager = eager_cpu(xp, dev)
     if channels:  # halved level by level (_channel_gate); padding changes no result
         chunk = 1 << (chunk - 1).bit_length()
+        if eager:
+            chunk = min(chunk, channel_chunk(d_phi))
     if log_decay is not None and log_decay.shape[-2] != T:
         log_decay = xp.broadcast_to(log_decay, (*log_decay.shape[:-2], T, log_decay.shape[-1]))
-    eager = eager_cpu(xp, dev)
     itemsize = xp.finfo(v.dtype).bits // 8
     # Per-channel gates use the same blocks: counting their extra arrays (the gates, each
     # level's decayed queries and keys) would make blocks shorter, and that measured no faster
