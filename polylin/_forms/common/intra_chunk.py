@@ -169,7 +169,8 @@ def _merged(xp: Any, M: Any | None, kind: str, corner: Any, pairs: int) -> Any:
     """The matrices of blocks twice the size from those of the last level, ``M`` (``None``
     before the first level of an inverse), and the lower-left ``corner`` of each block."""
     h = corner.shape[-1]
-    if kind in (SCORES, READ_SCORES):
+    if kind in (SCORES, READ_SCORES):  # M holds the diagonal at least
+        assert M is not None
         upper, lower = unstack(xp, xp.reshape(M, (*M.shape[:-3], pairs, 2, h, h)), axis=-3)
         return _merge(xp, upper, corner, lower, xp.zeros_like(upper))
     if M is None:  # the 2 x 2 inverses [[1, 0], [l, 1]]
