@@ -34,6 +34,9 @@ a row's factor runs from the start of its stretch to ``t`` exclusive (still a pr
 per-token factors <= 1), and after the last level it is ``r_t exp(b_t - g_t)``, the decay from
 the chunk start to ``t`` exclusive.
 
+Several key sets met by the same rows (the generalized rule's ``k`` and ``b``) share one call:
+the rows are decayed once per level for all of them, each key set on its own.
+
 A scalar gate factors its scores over the chunk: ``(R K^T) * exp(segment sums)``
 (:func:`scalar_gate_scores`), one full matmul and no levels.
 """
