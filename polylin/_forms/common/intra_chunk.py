@@ -34,6 +34,9 @@ a row's factor runs from the start of its stretch to ``t`` exclusive (still a pr
 per-token factors <= 1), and after the last level it is ``r_t exp(b_t - g_t)``, the decay from
 the chunk start to ``t`` exclusive.
 
+Several key sets met by the same rows (the generalized rule's ``k`` and ``b``) share one call:
+the rows are decayed once per level for all of them, each key set on its own.
+
 A scalar gate factors its scores over the chunk: ``(R K^T) * exp(segment sums)``
 (:func:`scalar_gate_scores`), one full matmul and no levels.
 """
@@ -120,9 +123,7 @@ def _merge(xp: Any, upper: Any, corner: Any, lower: Any, zeros: Any) -> Any:
         half = xp.arange(2, device=device(upper))
         i, j = half[:, None, None, None], half[:, None]
         upper, corner, lower = (x[..., None, :, None, :] for x in (upper, corner, lower))
-        quadrants = xp.where(
-            i == j, xp.where(i == 0, upper, lower), xp.where(i > j, corner, 0.0)
-        )
+        quadrants = xp.where(i == j, xp.where(i == 0, upper, lower), xp.where(i > j, corner, 0.0))
         h = quadrants.shape[-1]
         return xp.reshape(quadrants, (*quadrants.shape[:-4], 2 * h, 2 * h))
     top = concat_leading(xp, [upper, zeros], axis=-1)
@@ -167,7 +168,23 @@ def unit_lower_inverse(xp: Any, L: Any) -> Any:
     return xp.reshape(inverse, (*lead, size, size))
 
 
-def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]]) -> IntraChunk:
+def _merged(xp: Any, M: Any | None, kind: str, corner: Any, pairs: int) -> Any:
+    """The matrices of blocks twice the size from those of the last level, ``M`` (``None``
+    before the first level of an inverse), and the lower-left ``corner`` of each block."""
+    h = corner.shape[-1]
+    if kind in (SCORES, READ_SCORES):  # M holds the diagonal at least
+        assert M is not None
+        upper, lower = unstack(xp, xp.reshape(M, (*M.shape[:-3], pairs, 2, h, h)), axis=-3)
+        return _merge(xp, upper, corner, lower, xp.zeros_like(upper))
+    if M is None:  # the 2 x 2 inverses [[1, 0], [l, 1]]
+        entry = corner[..., 0, 0]
+        one, zero = xp.ones_like(entry), xp.zeros_like(entry)
+        pattern = xp.stack([one, zero, entry, one], axis=-1)
+        return xp.reshape(pattern, (*entry.shape, 2, 2))
+    return merge_inverse(xp, M, corner, pairs)
+
+
+def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]]) -> IntraChunk:
     """The decayed intra-chunk matrices of several row sets against the keys ``K``, and the
     factors that carry the state across the chunk (module docstring).
 
@@ -179,14 +196,23 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]])
     ``"read scores"`` and ``"read solve"`` the same for rows that read before their own token's
     decay: the strictly lower ``N`` and ``(I - N)^{-1}`` (module docstring).
 
-    Each level costs one batched matmul per row set and ``O(d)`` products per token per row
-    set for a per-channel gate (``O(h)`` per token for a scalar one); the 1 x 1 corners of the
-    first level are row sums (a tiny batched matmul's backward costs several times as much).
+    ``K`` may also be a list of key sets of one shape: then each ``kind`` is a tuple, one per
+    key set (all reads or none), and the result's ``matrices[i]`` and ``keys`` are lists, one
+    per key set. Every row set is decayed once for all key sets (the generalized rule's rows
+    meet two).
+
+    Each level costs one batched matmul per row set and key set and ``O(d)`` products per
+    token per row set and key set for a per-channel gate (``O(h)`` per token for a scalar
+    one); the 1 x 1 corners of the first level are row sums (a tiny batched matmul's backward
+    costs several times as much).
     """
-    chunk = K.shape[-2]
-    kinds = [kind for _, kind in rows]
+    several = isinstance(K, list)
+    key_sets = list(K) if several else [K]
+    kinds = [list(kind) if several else [kind] for _, kind in rows]  # per row set, per key set
+    reads = [row_kinds[0] in _READS for row_kinds in kinds]
+    chunk = key_sets[0].shape[-2]
     decayed = [R for R, _ in rows]  # r_t decayed from the start of its stretch to t
-    keys = K  # k_s decayed from s (exclusive) to the end of its stretch
+    keys = key_sets  # k_s decayed from s (exclusive) to the end of its stretch
     whole = None if G is None else xp.exp(G)  # (..., C / h, w): the decay of each stretch
     # A scalar gate keeps its factors apart, (..., C, 1) for the rows and the keys, and scales
     # each h x h corner by their outer product: h^2 products per block instead of 2 h d.
@@ -194,22 +220,23 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]])
     # Rows that read before their own token's decay start undecayed: their factor (None: ones)
     # runs from the start of their stretch to t exclusive.
     row_factor, key_factor, read_factor = whole, None, None
-    reading = any(kind in _READS for kind in kinds)
+    reading = any(reads)
     if whole is not None and not scalar:
-        decayed = [R if kind in _READS else R * whole for R, kind in rows]
-    matrices: list[Any] = []
-    for R, kind in rows:  # s = t: undecayed (a read does not see its own token's write)
-        if kind == SCORES:
-            matrices.append(xp.sum(R * K, axis=-1)[..., None, None])
-        elif kind == READ_SCORES:
-            shape = (*_shape(R, K), 1, 1)
-            matrices.append(xp.zeros(shape, dtype=K.dtype, device=device(K)))
-        else:
-            matrices.append(None)
+        decayed = [R if read else R * whole for R, read in zip(decayed, reads)]
+    matrices: list[list[Any]] = [[] for _ in rows]
+    for (R, _), row_kinds, row_matrices in zip(rows, kinds, matrices):
+        for key, kind in zip(key_sets, row_kinds):  # s = t: undecayed (a read does not see
+            if kind == SCORES:  # its own token's write)
+                row_matrices.append(xp.sum(R * key, axis=-1)[..., None, None])
+            elif kind == READ_SCORES:
+                shape = (*_shape(R, key), 1, 1)
+                row_matrices.append(xp.zeros(shape, dtype=key.dtype, device=device(key)))
+            else:
+                row_matrices.append(None)
     h = 1
     while h < chunk:
         pairs = chunk // (2 * h)  # blocks of 2h tokens: two stretches of h
-        upper_k, lower_k = unstack(xp, _halves(xp, keys, pairs), axis=-3)
+        key_halves = [unstack(xp, _halves(xp, key, pairs), axis=-3) for key in keys]
         halves = [unstack(xp, _halves(xp, R, pairs), axis=-3) for R in decayed]
         if scalar:
             _, low_f = unstack(xp, _halves(xp, row_factor, pairs), axis=-3)
@@ -223,25 +250,16 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]])
             if reading and read_factor is not None:
                 _, low_rf = unstack(xp, _halves(xp, read_factor, pairs), axis=-3)
                 outer_read = low_rf if outer_read is None else low_rf * outer_read
-        for i, (kind, (_, lower_r)) in enumerate(zip(kinds, halves)):
-            if h == 1:
-                corner = xp.sum(lower_r * upper_k, axis=-1)[..., None]
-            else:
-                corner = matmul(xp, lower_r, xp.matrix_transpose(upper_k))  # t lower, s upper
-            if scalar:
-                factor = outer_read if kind in _READS else outer
-                corner = corner if factor is None else corner * factor
-            M = matrices[i]
-            if kind in (SCORES, READ_SCORES):
-                upper, lower = unstack(xp, xp.reshape(M, (*M.shape[:-3], pairs, 2, h, h)), axis=-3)
-                matrices[i] = _merge(xp, upper, corner, lower, xp.zeros_like(upper))
-            elif M is None:  # the 2 x 2 inverses [[1, 0], [l, 1]]
-                entry = corner[..., 0, 0]
-                one, zero = xp.ones_like(entry), xp.zeros_like(entry)
-                pattern = xp.stack([one, zero, entry, one], axis=-1)
-                matrices[i] = xp.reshape(pattern, (*entry.shape, 2, 2))
-            else:
-                matrices[i] = merge_inverse(xp, M, corner, pairs)
+        for row_kinds, read, (_, lower_r), row_matrices in zip(kinds, reads, halves, matrices):
+            for j, (kind, (upper_k, _)) in enumerate(zip(row_kinds, key_halves)):
+                if h == 1:
+                    corner = xp.sum(lower_r * upper_k, axis=-1)[..., None]
+                else:
+                    corner = matmul(xp, lower_r, xp.matrix_transpose(upper_k))  # t low, s up
+                if scalar:
+                    factor = outer_read if read else outer
+                    corner = corner if factor is None else corner * factor
+                row_matrices[j] = _merged(xp, row_matrices[j], kind, corner, pairs)
         if whole is not None:
             # Stretches of 2h: a row in the second half also crosses the whole first half, a
             # key in the first half the whole second half; the other halves are unchanged (not
@@ -265,19 +283,21 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, str]])
                     read_factor = _joined(xp, up_f, low_f * first)
             else:
                 decayed = [_joined(xp, up, low * first) for up, low in halves]
-                keys = _joined(xp, upper_k * second, lower_k)
+                keys = [_joined(xp, up * second, low) for up, low in key_halves]
             whole = first[..., 0, :] * second[..., 0, :]
         h *= 2
     if scalar:
-        factors = [read_factor if kind in _READS else row_factor for kind in kinds]
+        factors = [read_factor if read else row_factor for read in reads]
         decayed = [R if f is None else R * f for R, f in zip(decayed, factors)]
-        keys = K if key_factor is None else K * key_factor
-    matrices = [
-        xp.ones((*_shape(R, K), 1, 1), dtype=K.dtype, device=device(K)) if M is None else M
-        for M, (R, _) in zip(matrices, rows)
-    ]  # C = 1
-    matrices = [xp.reshape(M, (*M.shape[:-3], chunk, chunk)) for M in matrices]
-    return IntraChunk(matrices, decayed, keys, whole)
+        keys = [key if key_factor is None else key * key_factor for key in key_sets]
+    for (R, _), row_matrices in zip(rows, matrices):
+        for j, (M, key) in enumerate(zip(row_matrices, key_sets)):
+            if M is None:  # C = 1
+                M = xp.ones((*_shape(R, key), 1, 1), dtype=key.dtype, device=device(key))
+            row_matrices[j] = xp.reshape(M, (*M.shape[:-3], chunk, chunk))
+    if several:
+        return IntraChunk(matrices, decayed, keys, whole)
+    return IntraChunk([M for (M,) in matrices], decayed, keys[0], whole)
 
 
 def segment_sums(xp: Any, G: Any, axis: int) -> Any:

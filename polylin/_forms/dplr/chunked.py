@@ -33,10 +33,10 @@ from typing import Any
 
 from ..._backend.execution import cpu_threads, eager_cpu
 from ..._backend.namespace import device
-from ..._backend.ops import pad_rows, split_rows, unstack
+from ..._backend.ops import add_matmul, pad_rows, split_rows, unit_lower_solver, unstack
 from ..common.intra_chunk import READ_SCORES, READ_SOLVE, SCORES, intra_chunk
 
-__all__ = ["BLOCK_ROWS", "dplr_chunked"]
+__all__ = ["BLOCK_ROWS", "channel_chunk", "dplr_chunked"]
 
 
 #: Rows (batch x tokens) per block of chunks and per thread (``_backend.execution.cpu_threads``) on
@@ -44,6 +44,18 @@ __all__ = ["BLOCK_ROWS", "dplr_chunked"]
 #: inverse, each level's blocks) stay in cache instead of being allocated at the size of the whole
 #: sequence (as the delta rule's chunked form does; ``docs/performance.md``, "Blocks and threads").
 BLOCK_ROWS = 4096
+
+
+def channel_chunk(d_k: int) -> int:
+    """The longest chunk a per-channel gate runs on eager CPU backends: ``max(16, d_k // 4)``
+    tokens (its four matrices and the inverse cost more levels than linear attention's one).
+
+    Measured on PyTorch, one thread, RWKV-7's shapes (``RWKV_WKV7``, in one process,
+    alternating): chunks of 16 took 0.91x the time of 32 forward and 0.97x forward and
+    backward at d = 64 (32 heads, T = 512; 8 heads, T = 2048), 1.23x at d = 128; NumPy 0.98x
+    at d = 64. Shorter chunks change no result beyond rounding.
+    """
+    return max(16, d_k // 4)
 
 
 def dplr_chunked(
@@ -59,7 +71,8 @@ def dplr_chunked(
     chunk_size: int,
     scale: float = 1.0,
 ) -> tuple[Any, Any]:
-    """Chunks of ``chunk_size`` tokens (rounded up to a power of two) from the state ``S``.
+    """Chunks of ``chunk_size`` tokens (rounded up to a power of two; on eager CPU backends at
+    most :func:`channel_chunk` tokens for a per-channel gate) from the state ``S``.
 
     Within every chunk (all chunks of a block at once, batched): the four matrices of decayed
     inner products and the inverse of ``I - L``; then ``R = U + W S`` and the state update per
@@ -73,12 +86,15 @@ def dplr_chunked(
     if T == 0:
         return v[..., :0, :], S
     chunk = 1 << (min(chunk_size, T) - 1).bit_length()
+    eager = eager_cpu(xp, device(k))
+    if eager and g is not None and g.shape[-1] != 1:
+        chunk = min(chunk, channel_chunk(k.shape[-1]))
     padded = -(-T // chunk) * chunk
     arrays = [q, k, v, a, b] + ([] if g is None else [g])
     if padded != T:  # zero k, v, a, b write nothing, zero g keeps the state; outputs dropped
         arrays = [pad_rows(xp, x, padded - T) for x in arrays]
     block = padded
-    if eager_cpu(xp, device(k)):
+    if eager:
         rows = math.prod(S.shape[:-2])
         per_block = BLOCK_ROWS * cpu_threads(xp)
         block = min(padded, chunk * max(1, per_block // (chunk * max(1, rows))))
@@ -102,12 +118,20 @@ def _chunks(
     )
     G = rest[0] if rest else None
     # Two sets of keys, k and b; the queries meet both (outputs), the a rows read before their
-    # own token's decay (reads: strictly lower, the system's matrix for b).
-    with_k = intra_chunk(xp, K, G, [(Q, SCORES), (A, READ_SCORES)])
-    with_b = intra_chunk(xp, B, G, [(Q, SCORES), (A, READ_SOLVE)])
-    (A_qk, A_ak), (queries, reads) = with_k.matrices, with_k.rows
-    (A_qb, inverse), values = with_b.matrices, with_b.keys
-    keys, whole = with_k.keys, with_k.whole
+    # own token's decay (reads: strictly lower, the system's matrix for b). Each row set is
+    # decayed once for both key sets, level by level.
+    # Where the library solves triangular systems (PyTorch), the levels build the system's
+    # matrix and one batched solve inverts it (forward 0.93x the levels' inversion, the
+    # backward unchanged); elsewhere the levels invert it as they go.
+    solve = unit_lower_solver(xp, K)
+    kind = READ_SOLVE if solve is None else READ_SCORES
+    both = intra_chunk(xp, [K, B], G, [(Q, (SCORES, SCORES)), (A, (READ_SCORES, kind))])
+    (A_qk, A_qb), (A_ak, inverse) = both.matrices
+    if solve is not None:
+        inverse = solve(-inverse)
+    queries, reads = both.rows
+    keys, values = both.keys
+    whole = both.whole
     U = xp.matmul(inverse, xp.matmul(A_ak, V))  # R_n = U_n + W_n S_n
     W = xp.matmul(inverse, reads)
     increments = xp.matmul(xp.matrix_transpose(keys), V)  # (..., n, d_k, d_v)
@@ -120,11 +144,11 @@ def _chunks(
     states, all_reads = [], []
     for n in range(n_chunks):
         states.append(S)
-        R = Us[n] + xp.matmul(Ws[n], S)
+        R = add_matmul(xp, Us[n], Ws[n], S)  # PyTorch: one baddbmm, no temporary product
         all_reads.append(R)
         kept = S if decays[n] is None else decays[n] * S
-        S = kept + Ks[n] + xp.matmul(Bs[n], R)
+        S = add_matmul(xp, kept + Ks[n], Bs[n], R)
     starts = xp.stack(states, axis=-3)  # (..., n, d_k, d_v): the state before each chunk
     R = xp.stack(all_reads, axis=-3)  # (..., n, C, d_v)
-    out = xp.matmul(queries, starts) + xp.matmul(A_qk, V) + xp.matmul(A_qb, R)
+    out = add_matmul(xp, add_matmul(xp, xp.matmul(queries, starts), A_qk, V), A_qb, R)
     return xp.reshape(out, (*out.shape[:-3], length, d_v)), S

@@ -22,8 +22,10 @@ over blocks of 2, 4, ..., C tokens (C rounded up to a power of two): in every bl
 of the lower half meet the keys of the upper half through the block's middle, both factors
 <= 1, one batched matmul per level (:func:`_channel_gate`). Its factors are products of the
 per-token ``exp(g_t)``; after the last level they are the ``exp(b)``, ``exp(B - b)`` and
-``exp(B)`` of the formulas above. Both constructions live in
-:mod:`polylin._forms.common.intra_chunk`, shared with the delta rule's chunked form.
+``exp(B)`` of the formulas above; on eager CPU backends such chunks are at most
+:func:`channel_chunk` tokens long (fewer levels where the state, not the levels, dominates).
+Both constructions live in :mod:`polylin._forms.common.intra_chunk`, shared with the delta
+rule's chunked form.
 
 The normalizer's running sum ``z`` is carried like one more column of ``S`` (as if V had a
 column of ones: the increments get the column sums of K, the intra-chunk normalizers the row
@@ -58,19 +60,18 @@ from ..._backend.namespace import device
 from ..._backend.ops import (
     add_matmul,
     causal_mask,
-    concat_leading,
     cumulative_sum,
     dense,
     keep_lower,
     matmul,
     pad_rows,
     split_rows,
-    unstack,
     widens,
 )
 from ..common.intra_chunk import SCORES, intra_chunk, scalar_gate_scores
+from ..common.prefix import chunk_prefix
 
-__all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked"]
+__all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked", "channel_chunk"]
 
 #: Bytes per block on eager CPU backends, counted as batch x tokens x (d_phi + d_v) x itemsize;
 #: chosen by measurement (``docs/performance.md``): 2 MiB is 4096 rows (batch x tokens) at
@@ -82,6 +83,18 @@ BLOCK_BYTES = 2 * 2**20
 #: ``features(q, k, mask)`` returns ``(phi(q), phi(k))`` of one block of tokens in the work
 #: dtype, masked keys already zeroed (``mask`` is that block of the attention mask, or None).
 Features = Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+def channel_chunk(d_phi: int) -> int:
+    """The longest chunk a per-channel gate runs on eager CPU backends: ``max(32, d_phi // 2)``
+    tokens.
+
+    Its levels cost ``O(C d log C)`` products per chunk against ``O(d^2)`` per chunk for the
+    state; measured on PyTorch, one thread (``GLA`` at T = 512 and 2048, forward and backward):
+    chunks of 32 took 0.91-0.97x the time of 64 at d = 64, and 1.04-1.06x at d = 128 (16: no
+    faster than 32 at d = 64). Shorter chunks change no result beyond rounding.
+    """
+    return max(32, d_phi // 2)
 
 
 def block_tokens(eager: bool, length: int, chunk: int, token_bytes: int) -> int:
@@ -128,11 +141,13 @@ def causal_chunked(
     z = z[..., None]  # (..., d_phi, 1): carried like a column of S (module docstring)
     chunk = min(chunk_size, T)
     channels = log_decay is not None and log_decay.shape[-1] != 1
+    eager = eager_cpu(xp, dev)
     if channels:  # halved level by level (_channel_gate); padding changes no result
         chunk = 1 << (chunk - 1).bit_length()
+        if eager:
+            chunk = min(chunk, channel_chunk(d_phi))
     if log_decay is not None and log_decay.shape[-2] != T:
         log_decay = xp.broadcast_to(log_decay, (*log_decay.shape[:-2], T, log_decay.shape[-1]))
-    eager = eager_cpu(xp, dev)
     itemsize = xp.finfo(v.dtype).bits // 8
     # Per-channel gates use the same blocks: counting their extra arrays (the gates, each
     # level's decayed queries and keys) would make blocks shorter, and that measured no faster
@@ -225,8 +240,8 @@ def _block(
             scores, queries, keys, chunk_decay = _channel_gate(xp, Q, K, G)
             decay = xp.matrix_transpose(chunk_decay)  # (..., n, d_phi, 1): scales state rows
             increments = _increments(xp, keys, V)
-    states, S = _prefix(xp, increments[0], decay, S, chained=chained)
-    z_states, z = _prefix(xp, increments[1], decay, z, chained=chained)
+    states, S = chunk_prefix(xp, increments[0], decay, S, chained=chained)
+    z_states, z = chunk_prefix(xp, increments[1], decay, z, chained=chained)
     out = add_matmul(xp, _from_states(xp, queries, states, weights), scores, V)  # one baddbmm
     out = _rows(xp, out, padded, length)
     if not normalize:
@@ -277,46 +292,3 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     """
     blocks = intra_chunk(xp, K, G, [(Q, SCORES)])
     return blocks.matrices[0], blocks.rows[0], blocks.keys, blocks.whole
-
-
-def _prefix(
-    xp: Any, increments: Any, decay: Any | None, state: Any, *, chained: bool
-) -> tuple[Any, Any]:
-    """States before each chunk and after the last: ``S_{n+1} = decay_n * S_n + U_n``.
-
-    ``increments`` is ``(..., n, d_phi, d_v + 1)``, ``decay`` ``(..., n, 1 or d_phi, 1)`` or
-    None (no decay). ``chained``: a Python chain over the chunks, one ``unstack`` in and one
-    ``stack`` out (a block holds few chunks). Otherwise one ``cumulative_sum`` without decay, and
-    with decay a scan of logarithmic depth over the chunk axis (Hillis-Steele on the pairs
-    ``(decay, increment)``; every product of decays is <= 1).
-    """
-    if chained:
-        running = [state]
-        decays = [None] * increments.shape[-3] if decay is None else unstack(xp, decay, axis=-3)
-        for increment, factor in zip(unstack(xp, increments, axis=-3), decays):
-            previous = running[-1] if factor is None else factor * running[-1]
-            running.append(previous + increment)
-        new_state = running.pop()
-        return xp.stack(running, axis=-3), new_state
-    if decay is None:
-        prefix = cumulative_sum(xp, increments, axis=-3, include_initial=True)
-        return prefix[..., :-1, :, :] + state[..., None, :, :], state + prefix[..., -1, :, :]
-    # Prepend (1, S_0): the inclusive scan then yields every state, the final one last. The
-    # increments may have fewer leading dimensions than the state (values shared by a group of
-    # query heads): the state's are the broadcast ones.
-    values = concat_leading(xp, [state[..., None, :, :], increments], axis=-3)
-    factors = xp.concat([xp.ones_like(decay[..., :1, :, :]), decay], axis=-3)
-    count = values.shape[-3]
-    shift = 1
-    while shift < count:
-        values = values + factors * _shift_chunks(xp, values, shift, 0.0)
-        if 2 * shift < count:
-            factors = factors * _shift_chunks(xp, factors, shift, 1.0)
-        shift *= 2
-    return values[..., :-1, :, :], values[..., -1, :, :]
-
-
-def _shift_chunks(xp: Any, x: Any, shift: int, fill: float) -> Any:
-    """``x`` moved ``shift`` places along the chunk axis (-3), the first places ``fill``."""
-    head = xp.full((*x.shape[:-3], shift, *x.shape[-2:]), fill, dtype=x.dtype, device=device(x))
-    return xp.concat([head, x[..., :-shift, :, :]], axis=-3)

@@ -20,7 +20,7 @@ in-chunk sums are segment sums of the gate itself
 (:func:`polylin._forms.common.intra_chunk.segment_sums`), never differences of long cumulative
 sums; the stabilizers of the chunk boundaries come from a log-depth scan over the chunk axis
 (``max`` for addition, ``+`` for multiplication), the states from the decayed prefix that plain
-linear attention uses (:func:`polylin._forms.linear.chunked._prefix`). Padded tokens (a last
+linear attention uses (:func:`polylin._forms.common.prefix.chunk_prefix`). Padded tokens (a last
 partial chunk) have ``g = 0`` and ``i = -inf``: they write nothing and keep ``m``.
 """
 
@@ -32,7 +32,7 @@ from ..._backend.execution import eager_cpu
 from ..._backend.namespace import device
 from ..._backend.ops import causal_mask, cumulative_sum, matmul, pad_rows
 from ..common.intra_chunk import segment_sums
-from ..linear.chunked import _prefix
+from ..common.prefix import chunk_prefix
 
 __all__ = ["LogScores", "log_scores", "mlstm_chunked", "read_out"]
 
@@ -141,8 +141,8 @@ def mlstm_chunked(
     n_increments = xp.sum(keys, axis=-2)[..., None]
     decay = xp.exp(totals + m_enter - m_exit)  # <= 1
     chained = eager_cpu(xp, device(q))
-    C_states, C_last = _prefix(xp, increments, decay, C0, chained=chained)
-    n_states, n_last = _prefix(xp, n_increments, decay, n0[..., None], chained=chained)
+    C_states, C_last = chunk_prefix(xp, increments, decay, C0, chained=chained)
+    n_states, n_last = chunk_prefix(xp, n_increments, decay, n0[..., None], chained=chained)
     out = read_out(xp, Q, K, V, scores, m_enter, C_states, n_states, eps=eps)
     out = xp.reshape(out, (*out.shape[:-3], count * chunk, out.shape[-1]))
     if pad:

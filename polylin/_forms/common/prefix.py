@@ -1,0 +1,57 @@
+"""The states before each chunk: a prefix over the chunk axis, decayed or not.
+
+Shared by the chunked forms whose state update across chunks is ``S_{n+1} = decay_n * S_n +
+U_n`` (linear attention with or without a gate, the mLSTM's matrix memory and normalizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..._backend.namespace import device
+from ..._backend.ops import concat_leading, cumulative_sum, unstack
+
+__all__ = ["chunk_prefix"]
+
+
+def chunk_prefix(
+    xp: Any, increments: Any, decay: Any | None, state: Any, *, chained: bool
+) -> tuple[Any, Any]:
+    """States before each chunk and after the last: ``S_{n+1} = decay_n * S_n + U_n``.
+
+    ``increments`` is ``(..., n, d_phi, d_v + 1)``, ``decay`` ``(..., n, 1 or d_phi, 1)`` or
+    None (no decay). ``chained``: a Python chain over the chunks, one ``unstack`` in and one
+    ``stack`` out (a block holds few chunks). Otherwise one ``cumulative_sum`` without decay, and
+    with decay a scan of logarithmic depth over the chunk axis (Hillis-Steele on the pairs
+    ``(decay, increment)``; every product of decays is <= 1).
+    """
+    if chained:
+        running = [state]
+        decays = [None] * increments.shape[-3] if decay is None else unstack(xp, decay, axis=-3)
+        for increment, factor in zip(unstack(xp, increments, axis=-3), decays):
+            previous = running[-1] if factor is None else factor * running[-1]
+            running.append(previous + increment)
+        new_state = running.pop()
+        return xp.stack(running, axis=-3), new_state
+    if decay is None:
+        prefix = cumulative_sum(xp, increments, axis=-3, include_initial=True)
+        return prefix[..., :-1, :, :] + state[..., None, :, :], state + prefix[..., -1, :, :]
+    # Prepend (1, S_0): the inclusive scan then yields every state, the final one last. The
+    # increments may have fewer leading dimensions than the state (values shared by a group of
+    # query heads): the state's are the broadcast ones.
+    values = concat_leading(xp, [state[..., None, :, :], increments], axis=-3)
+    factors = xp.concat([xp.ones_like(decay[..., :1, :, :]), decay], axis=-3)
+    count = values.shape[-3]
+    shift = 1
+    while shift < count:
+        values = values + factors * _shift_chunks(xp, values, shift, 0.0)
+        if 2 * shift < count:
+            factors = factors * _shift_chunks(xp, factors, shift, 1.0)
+        shift *= 2
+    return values[..., :-1, :, :], values[..., -1, :, :]
+
+
+def _shift_chunks(xp: Any, x: Any, shift: int, fill: float) -> Any:
+    """``x`` moved ``shift`` places along the chunk axis (-3), the first places ``fill``."""
+    head = xp.full((*x.shape[:-3], shift, *x.shape[-2:]), fill, dtype=x.dtype, device=device(x))
+    return xp.concat([head, x[..., :-shift, :, :]], axis=-3)
