@@ -87,7 +87,8 @@ def causal_linear_attention(
         masked kernel form, O(T^2).
     chunk_size : int
         Chunk length C of the chunked form (T need not be a multiple of it); any integer >= 1
-        (checked for every method).
+        (checked for every method). On CPU backends a per-channel ``log_decay`` runs chunks of
+        at most ``max(32, d_phi / 2)`` tokens; the results agree to round-off whatever C.
     eps : float
         Added to the normalizer ``phi(q_t) . z_t``; any real number that is positive and finite
         in the work dtype (at least its smallest normal number: ``1.2e-38`` for float32).

@@ -146,7 +146,8 @@ def dplr_delta_rule(
         multiple of it). The default, :data:`DEFAULT_DPLR_CHUNK_SIZE` (32), is half the other
         families' 64: the block within a chunk dominates this form's time, and 32 ran
         0.76-0.95x the time of 64 (NumPy and PyTorch, forward and forward+backward,
-        ``docs/dplr.md``).
+        ``docs/dplr.md``). On CPU backends a per-channel gate runs chunks of at most
+        ``max(16, d_k / 4)`` tokens; the results agree to round-off whatever C.
     initial_state : array, optional
         The state ``S`` to continue from, shape ``(..., d_k, d_v)``; one returned by any
         method or by :func:`dplr_delta_rule_step`, or one whose leading dimensions broadcast
