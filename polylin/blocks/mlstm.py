@@ -1,4 +1,4 @@
-"""xLSTM's mLSTM layer (Beck et al., 2024; xLSTM 7B) as functions of its parameters.
+"""The mLSTM layer of xLSTM (Beck et al., 2024; xLSTM 7B) as functions of its parameters.
 
 ``mlstm(params, x)`` computes what transformers' ``xLSTMLayer`` computes (the parameter names
 are its state dict's, ``weight_mode`` ``"single"`` or ``"fused"``): the projections to the
@@ -175,7 +175,7 @@ def mlstm(
     return_cache: bool = False,
     **options: Any,
 ) -> Any:
-    """xLSTM's mLSTM layer over a whole sequence (training, prefill).
+    """The mLSTM layer of xLSTM over a whole sequence (training, prefill).
 
     transformers' ``xLSTMLayer``: the queries, keys, values (``num_heads`` heads) and the
     output gate's pre-activation ``o`` by linear maps of ``x``; the input and forget gates'
@@ -264,7 +264,7 @@ def mlstm_step(
     attention_mask: Any = None,
     **options: Any,
 ) -> tuple[Any, BlockCache]:
-    """One new token per sequence of xLSTM's mLSTM layer, from the cache before it.
+    """One new token per sequence of the mLSTM layer of xLSTM, from the cache before it.
 
     Parameters
     ----------
@@ -331,8 +331,7 @@ def init_mlstm(
     dtype: Any = None,
     device: Any = None,
 ) -> dict[str, Any]:
-    """Initial parameters of an mLSTM layer, as transformers' ``xLSTMPreTrainedModel``
-    draws them.
+    """Initial parameters of an mLSTM layer, as transformers' xLSTM models draw them.
 
     The queries, keys and values normal with standard deviation ``sqrt(2 / (5 hidden_size))``
     (small init), ``out_proj`` normal with ``2 / num_hidden_layers / sqrt(hidden_size)`` (Wang
