@@ -113,7 +113,7 @@ def _check_cache(sizes: _Sizes, cache: Any, x: Any) -> None:
     conv_state, state = cache
     heads = sizes.num_heads
     d_k, d_v = sizes.qk_dim // heads, sizes.v_dim // heads
-    C = state[0] if isinstance(state, tuple) and len(state) == 3 else None
+    C: Any = state[0] if isinstance(state, tuple) and len(state) == 3 else None
     if conv_state != () or not is_array(C) or C.ndim != 4 or tuple(C.shape[1:]) != (
         heads, d_k, d_v
     ):  # fmt: skip
