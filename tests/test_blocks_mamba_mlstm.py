@@ -280,7 +280,7 @@ def _row(cache, i):
     return BlockCache(tuple(c[i : i + 1] for c in cache.conv_state), state)
 
 
-def _module_grads(module, x):
+def module_grads(module, x):
     with float64_kept():
         out = module(torch.from_numpy(x))
         ((out[0] if isinstance(out, tuple) else out) ** 2).sum().backward()
@@ -297,7 +297,7 @@ def test_jax_jit_and_grad_are_torchs(backend, name, rng):
     module, call, params = make(name)
     block = BLOCKS[name][1]
     x = inputs(rng, T=7)
-    want = _module_grads(module, x)
+    want = module_grads(module, x)
 
     def jax_loss(p, x):
         return (block(p, x, **call) ** 2).sum()
@@ -320,7 +320,7 @@ def test_torch_autograd_through_the_block_is_the_modules(name, rng):
     gradients."""
     module, call, params = make(name)
     x = inputs(rng, T=7)
-    want = _module_grads(module, x)
+    want = module_grads(module, x)
     leaves = {n: torch.from_numpy(p).requires_grad_(True) for n, p in params.items()}
     (BLOCKS[name][1](leaves, torch.from_numpy(x), **call) ** 2).sum().backward()
     for n, g in want.items():

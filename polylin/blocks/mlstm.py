@@ -25,10 +25,12 @@ from ._params import BlockCache, linear, padding_mask, param
 __all__ = ["init_mlstm", "mlstm", "mlstm_step"]
 
 BLOCK = "mlstm"
-#: The config's kernel choices: accepted, they do not change the function.
+#: The config's kernel choices and the initialization's depth: accepted, they do not change
+#: the function.
 _KERNEL_ONLY = (
     "norm_reduction_force_float32", "mode", "return_last_states", "autocast_kernel_dtype",
     "inference_state_dtype", "chunkwise_kernel", "sequence_kernel", "step_kernel",
+    "num_hidden_layers",
 )  # fmt: skip
 
 
@@ -211,7 +213,8 @@ def mlstm(
         ``v_dim_factor``, ``weight_mode`` and ``use_bias`` follow from the shapes and are
         checked against them; the kernel choices (``mode``, ``autocast_kernel_dtype``,
         ``inference_state_dtype``, ``norm_reduction_force_float32``, ``return_last_states``,
-        ``chunkwise_kernel``, ``sequence_kernel``, ``step_kernel``) are accepted and unused.
+        ``chunkwise_kernel``, ``sequence_kernel``, ``step_kernel``) and the initialization's
+        ``num_hidden_layers`` are accepted and unused.
 
     Returns
     -------
