@@ -52,7 +52,9 @@ def _sizes(params: Mapping[str, Any], options: dict[str, Any]) -> _Sizes:
     if method not in SELECTIVE_METHODS:
         raise ValueError(f"{BLOCK}: method must be one of {SELECTIVE_METHODS}, got {method!r}")
     chunk_size = options.pop("chunk_size", None)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or int(chunk_size) < 1):
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
         raise ValueError(f"{BLOCK}: chunk_size must be an int >= 1, got {chunk_size!r}")
     act = options.pop("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -382,8 +384,9 @@ def init_mamba(
     params["dt_proj.bias"] = draws.dt_bias(
         inner, dt_min=time_step_min, dt_max=time_step_max, floor=time_step_floor
     )
-    logs = [math.log(n) for n in range(1, state_size + 1)] * inner
-    params["A_log"] = draws._array(logs, (inner, state_size))
+    xp = draws.xp
+    n = xp.arange(1, state_size + 1, dtype=draws.dtype, device=device)
+    params["A_log"] = xp.ones((inner, 1), dtype=draws.dtype, device=device) * xp.log(n)
     params["D"] = draws.ones(inner)
     params["out_proj.weight"] = draws.linear(hidden_size, inner)
     if use_bias:

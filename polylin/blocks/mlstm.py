@@ -392,15 +392,17 @@ def init_mlstm(
         if use_bias:
             params[f"{name}.bias"] = draws.zeros(rows)
 
-    forget = [3.0 + 3.0 * h / max(heads - 1, 1) for h in range(heads)]
+    xp = draws.xp
+    forget = xp.linspace(3.0, 6.0, heads, dtype=draws.dtype, device=device)
+    minus_ten = xp.full((heads,), -10.0, dtype=draws.dtype, device=device)
     if weight_mode == "single":
         for name, rows in (("q", qk), ("k", qk), ("v", vd)):
             add(name, rows, draws.normal_bulk((rows, hidden_size)) * small)
         add("ogate_preact", vd, zeros((vd, hidden_size), dtype=draws.dtype, device=device))
-        for name, bias in (("igate_preact", [-10.0] * heads), ("fgate_preact", forget)):
+        for name, bias in (("igate_preact", minus_ten), ("fgate_preact", forget)):
             params[f"{name}.weight"] = zeros((heads, hidden_size), dtype=draws.dtype,
                                              device=device)  # fmt: skip
-            params[f"{name}.bias"] = draws._array(bias, (heads,))
+            params[f"{name}.bias"] = bias
     else:
         rows = 2 * qk + 2 * vd
         weight = draws.xp.concat(
@@ -410,7 +412,7 @@ def init_mlstm(
         add("qkv_opreact", rows, weight)
         params["ifgate_preact.weight"] = zeros((2 * heads, hidden_size), dtype=draws.dtype,
                                                device=device)  # fmt: skip
-        params["ifgate_preact.bias"] = draws._array([-10.0] * heads + forget, (2 * heads,))
+        params["ifgate_preact.bias"] = xp.concat([minus_ten, forget])
     params["multihead_norm.weight"] = draws.ones(vd)
     if use_bias:
         params["multihead_norm.bias"] = draws.zeros(vd)
