@@ -182,6 +182,27 @@ def test_block_is_transformers_module(backend, name, rng):
         assert_close(backend.to_numpy(y_t), want[:, t])
 
 
+@pytest.mark.parametrize("name", ["mamba-biases-rank3", "falcon-mamba"])
+def test_mamba_cache_is_transformers_cache(name, rng):
+    """After a prefill, the block's cache holds transformers' states (its ``DynamicCache``):
+    the scan's state as it is, the convolution's last ``conv_kernel - 1`` inputs (transformers
+    keeps ``conv_kernel``, channels first); one more token continues both alike."""
+    from transformers.cache_utils import DynamicCache
+
+    module, call, params = make(name)
+    x = inputs(rng, T=9)
+    theirs = DynamicCache(config=module.config)
+    with torch.no_grad(), float64_kept():
+        module(torch.from_numpy(x[:, :8]), cache_params=theirs)
+        want_t = module(torch.from_numpy(x[:, 8:]), cache_params=theirs)[:, 0].numpy()
+    _, cache = mamba(params, x[:, :8], return_cache=True, **call)
+    y_t, after = mamba_step(params, x[:, 8], cache, **call)
+    assert_close(y_t, want_t)
+    assert_close(after.recurrent_state, theirs.get_recurrent_state(0, state_idx=0).numpy())
+    conv = theirs.get_conv_state(0, state_idx=0).numpy()
+    assert_close(after.conv_state[0], np.swapaxes(conv[..., 1:], 1, 2))
+
+
 @pytest.mark.parametrize("method", ["recurrent", "quadratic"])
 @pytest.mark.parametrize("name", ["mamba-biases-rank3", "mlstm"])
 def test_every_method_is_the_module(name, method, rng):
