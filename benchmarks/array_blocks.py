@@ -209,24 +209,27 @@ def _rows(
     groups += [[n] for n in impls if n not in groups[0]]
     for pass_name, index, count in (("forward", 0, repeats), ("forward+backward", 1, repeats),
                                     ("decode", 2, tokens)):  # fmt: skip
-        base = None
+        base: float | None = None  # the module's time: no ratio where it is not timed
         for names in groups:
             timed = [n for n in names if impls[n][index] is not None]
             fns = [lambda _i, fn=impls[n][index]: fn() for n in timed]
             backward = pass_name == "forward+backward"
             with contextlib.nullcontext() if backward else torch.no_grad():
                 results = interleaved_times(fns, count)
-            if base is None:
-                base = results[timed.index("torch module")][0] if "torch module" in timed else (
-                    float("nan")
-                )  # fmt: skip
+            if "torch module" in timed:
+                base = results[timed.index("torch module")][0]
             for n, (median, _) in zip(timed, results):
                 row = next(r for r in rows if r["impl"] == n)
-                row[f"{pass_name}_s"], row[f"{pass_name}_ratio"] = median, median / base
+                ratio = None if base is None else median / base
+                row[f"{pass_name}_s"], row[f"{pass_name}_ratio"] = median, ratio
     for row in rows:
         if row["impl"].startswith("block on JAX"):
             row["compile_s"] = compile_s
     return rows
+
+
+def _ratio(ratio: float | None) -> str:
+    return f"{'-':>6s}" if ratio is None else f"{ratio:6.2f}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -256,10 +259,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 fb = row.get("forward+backward_s")
                 print(
                     f"{name:22s} {length:5d} {row['impl']:20s} {row['forward_s'] * 1e3:8.2f} "
-                    f"{row['forward_ratio']:6.2f} "
-                    + (f"{fb * 1e3:8.2f} {row['forward+backward_ratio']:6.2f} " if fb else
+                    f"{_ratio(row['forward_ratio'])} "
+                    + (f"{fb * 1e3:8.2f} {_ratio(row['forward+backward_ratio'])} " if fb else
                        f"{'-':>8s} {'-':>6s} ")
-                    + f"{row['decode_s'] * 1e6:8.0f} {row['decode_ratio']:6.2f}"
+                    + f"{row['decode_s'] * 1e6:8.0f} {_ratio(row['decode_ratio'])}"
                 )  # fmt: skip
     return write_report(report, args.json)
 
