@@ -60,7 +60,9 @@ def _sizes(params: Mapping[str, Any], options: dict[str, Any]) -> _Sizes:
     if act not in ("silu", "swish"):
         raise ValueError(f"{BLOCK}: hidden_act must be 'silu' (Mamba's), got {act!r}")
     eps = options.pop("bcdt_rms_eps", None)
-    if eps is not None and not (isinstance(eps, float | int) and 0 < eps < math.inf):
+    if eps is not None and (
+        isinstance(eps, bool) or not isinstance(eps, float | int) or not 0 < eps < math.inf
+    ):
         raise ValueError(f"{BLOCK}: bcdt_rms_eps must be None or a number > 0, got {eps!r}")
     for name in _INIT_ONLY:
         options.pop(name, None)
@@ -90,8 +92,8 @@ def _sizes(params: Mapping[str, Any], options: dict[str, Any]) -> _Sizes:
         "use_conv_bias": "conv1d.bias" in params, "use_bias": "in_proj.bias" in params,
     }  # fmt: skip
     check_implied(BLOCK, options, implied)
-    none = None if eps is None else float(eps)
-    return _Sizes(hidden, inner, rank, state_size, method, chunk_size, none)
+    rms_eps = None if eps is None else float(eps)
+    return _Sizes(hidden, inner, rank, state_size, method, chunk_size, rms_eps)
 
 
 def _check_cache(sizes: _Sizes, cache: Any, x: Any) -> None:
