@@ -154,7 +154,7 @@ def assert_close(got, want, rtol=1e-10):
 
 
 # JAX compiles each operation of an eager block for each new shape: one case in ``make test``.
-@pytest.mark.slow_grid(prefer={"name": "mlstm"})
+@pytest.mark.slow_grid(prefer={"name": "mamba-biases-rank3"})
 @pytest.mark.parametrize("name", sorted(BLOCKS))
 def test_block_is_transformers_module(backend, name, rng):
     """A sequence, then prefill and steps, against the module's whole sequence (and xLSTM's
