@@ -166,7 +166,7 @@ def mamba(
     Parameters
     ----------
     params : mapping
-        transformers' ``MambaMixer`` state dict (``in_proj.weight``, ``conv1d.weight``,
+        The state dict of transformers' ``MambaMixer`` (``in_proj.weight``, ``conv1d.weight``,
         ``x_proj.weight``, ``dt_proj.weight``, ``dt_proj.bias``, ``A_log``, ``D``,
         ``out_proj.weight``; ``conv1d.bias``, ``in_proj.bias`` and ``out_proj.bias`` where the
         model has them), as arrays of one library; :func:`init_mamba` makes one.
