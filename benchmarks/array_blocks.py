@@ -7,7 +7,12 @@ For Gated DeltaNet and Kimi Delta Attention (``num_heads = hidden / 128``, ``hea
 Gated DeltaNet's ``expand_v`` 2), GLA (``hidden / 128`` heads, key heads of 64) and Mamba-2
 (heads of 64, ``state_size`` 64, one group): the torch module, the block function on the
 module's state dict as torch tensors, as NumPy arrays and as JAX arrays (``jax.jit``, its
-compile time recorded), each checked against the module first. Float32, batch 1, the threads
+compile time recorded), each checked against the module first. For the Mamba-1 mixer
+(``state_size`` 16, ``expand`` 2) and xLSTM's mLSTM layer (``hidden / 128`` heads, chunk 64)
+the module is transformers' ``MambaMixer`` and ``xLSTMLayer`` (their pure-PyTorch paths,
+float32 kernels; decoding through a ``DynamicCache`` and the layer's state), and transformers'
+Mamba forward+backward, quadratic in T, is timed up to ``--peer-backward-max`` only (the rows
+above it have no ratio). Float32, batch 1, the threads
 PyTorch and the BLAS libraries choose; forward (torch under ``no_grad``), forward+backward (the
 sum of the output, to every parameter: ``backward`` on torch, ``jax.jit(jax.grad)`` on JAX;
 NumPy has none) and one decoding token after a 16-token prefill. The two PyTorch calls are
@@ -23,6 +28,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,49 @@ from polylin.torch import (  # noqa: E402
 )
 
 HEAD_DIM = 64
+
+
+class _Transformers(torch.nn.Module):
+    """transformers' ``MambaMixer`` or ``xLSTMLayer`` with the call of polylin.torch's modules:
+    ``module(x, return_cache=False)`` and ``module.step(x_t, cache)``."""
+
+    def __init__(self, kind: str, hidden_size: int, **sizes: Any) -> None:
+        super().__init__()
+        import transformers
+
+        self.kind = kind
+        if kind == "mamba":
+            from transformers.models.mamba.modeling_mamba import MambaMixer
+
+            self.config = transformers.MambaConfig(
+                hidden_size=hidden_size, num_hidden_layers=1, **sizes
+            )
+            self.layer = MambaMixer(self.config, 0)
+        else:
+            from transformers.models.xlstm.modeling_xlstm import xLSTMLayer
+
+            self.config = transformers.xLSTMConfig(
+                hidden_size=hidden_size, autocast_kernel_dtype="float32", **sizes
+            )
+            self.layer = xLSTMLayer(self.config)
+
+    def forward(self, x: torch.Tensor, return_cache: bool = False) -> Any:
+        if self.kind == "mlstm":
+            y, state = self.layer(x)
+            return (y, state) if return_cache else y
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(config=self.config) if return_cache else None
+        y = self.layer(x, cache_params=cache)
+        return (y, cache) if return_cache else y
+
+    def step(self, x_t: torch.Tensor, cache: Any) -> Any:
+        if self.kind == "mlstm":
+            y, state = self.layer(x_t[:, None], cache)
+            return y[:, 0], state
+        return self.layer(x_t[:, None], cache_params=cache)[:, 0], cache
+
+
 #: name -> (torch module, block, step, extra constructor options)
 BLOCKS = {
     "gated_deltanet": (GatedDeltaNet, blocks.gated_deltanet, blocks.gated_deltanet_step,
@@ -54,6 +103,10 @@ BLOCKS = {
                                blocks.gated_linear_attention_step, {}),
     "mamba2": (Mamba2, blocks.mamba2, blocks.mamba2_step, {"state_size": 64}),
     "rwkv7": (RWKV7Attention, blocks.rwkv7, blocks.rwkv7_step, {"layer_idx": 0}),
+    "mamba": (partial(_Transformers, "mamba"), blocks.mamba, blocks.mamba_step,
+              {"state_size": 16}),
+    "mlstm": (partial(_Transformers, "mlstm"), blocks.mlstm, blocks.mlstm_step,
+              {"chunk_size": 64}),
 }  # fmt: skip
 #: name -> the module's size options and the block call's options, given ``heads``
 #: (``hidden / 128``); the delta-rule blocks' otherwise. GLA: its default ``expand_k`` 0.5 and
@@ -63,6 +116,8 @@ SIZES = {
     "rwkv7": lambda heads: ({"head_dim": HEAD_DIM}, {}),
     "gated_linear_attention": lambda heads: ({"num_heads": heads}, {}),
     "mamba2": lambda heads: ({"head_dim": HEAD_DIM}, {"n_groups": 1}),
+    "mamba": lambda heads: ({}, {}),
+    "mlstm": lambda heads: ({"num_heads": heads}, {"chunk_size": 64}),
 }
 
 
@@ -78,7 +133,9 @@ def _jax() -> Any | None:
     return jax
 
 
-def _rows(name: str, length: int, hidden: int, repeats: int, tokens: int) -> list[dict]:
+def _rows(
+    name: str, length: int, hidden: int, repeats: int, tokens: int, peer_backward_max: int
+) -> list[dict]:
     module_type, block, step, extra = BLOCKS[name]
     heads = max(1, hidden // 128)
     torch.manual_seed(0)
@@ -87,7 +144,8 @@ def _rows(name: str, length: int, hidden: int, repeats: int, tokens: int) -> lis
     x = torch.randn(1, length, hidden)
     with torch.no_grad():
         want = module(x).numpy()
-    params = {n: p.detach() for n, p in module.state_dict().items()}
+    peer = getattr(module, "layer", module)  # transformers' own module
+    params = {n: p.detach() for n, p in peer.state_dict().items()}
     as_numpy = {n: p.numpy() for n, p in params.items()}
     impls: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None, Callable[[], Any]]] = {}
 
@@ -97,9 +155,10 @@ def _rows(name: str, length: int, hidden: int, repeats: int, tokens: int) -> lis
 
     _, cache = module(x[:, :16], return_cache=True)
     with torch.no_grad():
+        slow = name == "mamba" and length > peer_backward_max
         impls["torch module"] = (
             lambda: module(x),
-            module_backward,
+            None if slow else module_backward,
             lambda: module.step(x[:, 16], cache),
         )
     leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
@@ -150,22 +209,27 @@ def _rows(name: str, length: int, hidden: int, repeats: int, tokens: int) -> lis
     groups += [[n] for n in impls if n not in groups[0]]
     for pass_name, index, count in (("forward", 0, repeats), ("forward+backward", 1, repeats),
                                     ("decode", 2, tokens)):  # fmt: skip
-        base = None
+        base: float | None = None  # the module's time: no ratio where it is not timed
         for names in groups:
             timed = [n for n in names if impls[n][index] is not None]
             fns = [lambda _i, fn=impls[n][index]: fn() for n in timed]
             backward = pass_name == "forward+backward"
             with contextlib.nullcontext() if backward else torch.no_grad():
                 results = interleaved_times(fns, count)
-            if base is None:
+            if "torch module" in timed:
                 base = results[timed.index("torch module")][0]
             for n, (median, _) in zip(timed, results):
                 row = next(r for r in rows if r["impl"] == n)
-                row[f"{pass_name}_s"], row[f"{pass_name}_ratio"] = median, median / base
+                ratio = None if base is None else median / base
+                row[f"{pass_name}_s"], row[f"{pass_name}_ratio"] = median, ratio
     for row in rows:
         if row["impl"].startswith("block on JAX"):
             row["compile_s"] = compile_s
     return rows
+
+
+def _ratio(ratio: float | None) -> str:
+    return f"{'-':>6s}" if ratio is None else f"{ratio:6.2f}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -175,6 +239,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=50)
     parser.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=list(BLOCKS))
+    parser.add_argument(
+        "--peer-backward-max", type=int, default=1024,
+        help="time transformers' Mamba forward+backward up to this T (it is quadratic in T)",
+    )  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     report: dict[str, Any] = {
@@ -185,15 +253,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{'f+b ms':>8s} {'ratio':>6s} {'step us':>8s} {'ratio':>6s}")  # fmt: skip
     for length in args.lengths:
         for name in args.blocks:
-            for row in _rows(name, length, args.hidden, args.repeats, args.decode_tokens):
+            for row in _rows(name, length, args.hidden, args.repeats, args.decode_tokens,
+                             args.peer_backward_max):  # fmt: skip
                 report["rows"].append(row)
                 fb = row.get("forward+backward_s")
                 print(
                     f"{name:22s} {length:5d} {row['impl']:20s} {row['forward_s'] * 1e3:8.2f} "
-                    f"{row['forward_ratio']:6.2f} "
-                    + (f"{fb * 1e3:8.2f} {row['forward+backward_ratio']:6.2f} " if fb else
+                    f"{_ratio(row['forward_ratio'])} "
+                    + (f"{fb * 1e3:8.2f} {_ratio(row['forward+backward_ratio'])} " if fb else
                        f"{'-':>8s} {'-':>6s} ")
-                    + f"{row['decode_s'] * 1e6:8.0f} {row['decode_ratio']:6.2f}"
+                    + f"{row['decode_s'] * 1e6:8.0f} {_ratio(row['decode_ratio'])}"
                 )  # fmt: skip
     return write_report(report, args.json)
 

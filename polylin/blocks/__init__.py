@@ -14,7 +14,11 @@ arrays of any one library) and the input, with its decoding step and an initiali
 - :func:`mamba2`, :func:`mamba2_step`, :func:`init_mamba2`: Mamba-2's block (its SSD scan),
   :class:`polylin.torch.Mamba2`'s computation;
 - :func:`rwkv7`, :func:`rwkv7_step`, :func:`init_rwkv7`: RWKV-7's time mixing,
-  :class:`polylin.torch.RWKV7Attention`'s computation (with the value residual ``v_first``).
+  :class:`polylin.torch.RWKV7Attention`'s computation (with the value residual ``v_first``);
+- :func:`mamba`, :func:`mamba_step`, :func:`init_mamba`: the Mamba-1 mixer (its selective
+  scan), transformers' ``MambaMixer``'s computation (and FalconMamba's, ``bcdt_rms_eps``);
+- :func:`mlstm`, :func:`mlstm_step`, :func:`init_mlstm`: xLSTM's mLSTM layer, transformers'
+  ``xLSTMLayer``'s computation.
 
 A cache is a :class:`BlockCache` of plain arrays (a pytree under ``jax.jit``). The results are
 of the input's library, device and dtype: NumPy serves a model trained in PyTorch, JAX trains
@@ -29,7 +33,9 @@ from .gla import (
     init_gated_linear_attention,
 )
 from .kda import init_kimi_delta_attention, kimi_delta_attention, kimi_delta_attention_step
+from .mamba import init_mamba, mamba, mamba_step
 from .mamba2 import init_mamba2, mamba2, mamba2_step
+from .mlstm import init_mlstm, mlstm, mlstm_step
 from .rwkv7 import init_rwkv7, rwkv7, rwkv7_step
 
 __all__ = [
@@ -41,12 +47,18 @@ __all__ = [
     "init_gated_deltanet",
     "init_gated_linear_attention",
     "init_kimi_delta_attention",
+    "init_mamba",
     "init_mamba2",
+    "init_mlstm",
     "init_rwkv7",
     "kimi_delta_attention",
     "kimi_delta_attention_step",
+    "mamba",
     "mamba2",
     "mamba2_step",
+    "mamba_step",
+    "mlstm",
+    "mlstm_step",
     "rwkv7",
     "rwkv7_step",
 ]

@@ -3,7 +3,10 @@ does not).
 
 - :class:`GatedDeltaNet`, :class:`KimiDeltaAttention`, :class:`GatedLinearAttention`,
   :class:`Mamba2`, :class:`RWKV7Attention`: the blocks of those models, with the keywords,
-  call and parameter names of :mod:`polylin.torch`'s (and ``fla.layers``').
+  call and parameter names of :mod:`polylin.torch`'s (and ``fla.layers``');
+- :class:`Mamba`, :class:`MLSTM`: the Mamba-1 mixer and xLSTM's mLSTM layer, with the
+  keywords of transformers' configs and the parameter names of its ``MambaMixer`` and
+  ``xLSTMLayer``.
 
 Each holds its parameters as ``nnx.Param``s keyed by the torch module's state-dict names and
 computes with the block's functions of :mod:`polylin.blocks`: a torch state dict loads by name
@@ -24,13 +27,17 @@ except ImportError as exc:  # pragma: no cover - exercised only without flax
 from .gated_deltanet import GatedDeltaNet
 from .gla import GatedLinearAttention
 from .kda import KimiDeltaAttention
+from .mamba import Mamba
 from .mamba2 import Mamba2
+from .mlstm import MLSTM
 from .rwkv7 import RWKV7Attention
 
 __all__ = [
+    "MLSTM",
     "GatedDeltaNet",
     "GatedLinearAttention",
     "KimiDeltaAttention",
+    "Mamba",
     "Mamba2",
     "RWKV7Attention",
 ]
