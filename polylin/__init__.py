@@ -19,9 +19,9 @@ from .delta_rule import (
     prepare_delta_rule_step,
 )
 from .dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step, prepare_dplr_step
-from .mlstm import MLSTMState, mlstm, mlstm_step
+from .mlstm import MLSTMState, mlstm, mlstm_step, prepare_mlstm_step
 from .normalization import group_norm, rms_norm
-from .selective_scan import selective_scan, selective_scan_step
+from .selective_scan import prepare_selective_scan_step, selective_scan, selective_scan_step
 
 __version__ = "0.2.0"
 
@@ -52,6 +52,8 @@ __all__ = [
     "mlstm_step",
     "prepare_delta_rule_step",
     "prepare_dplr_step",
+    "prepare_mlstm_step",
+    "prepare_selective_scan_step",
     "prepare_step",
     "rms_norm",
     "selective_scan",
