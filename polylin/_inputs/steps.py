@@ -139,8 +139,8 @@ class PreparedStep:
     :func:`~polylin.prepare_selective_scan_step`, and call it like the step it prepares
     (without the options given to ``prepare_*``), once per token. The first call, and any call
     whose arrays differ in library, shape, dtype or device (or whose numbers differ) from the
-    one before it, is checked like the plain step and raises the same errors; the others run the arithmetic
-    alone. Outputs equal the plain step's exactly.
+    one before it, is checked like the plain step and raises the same errors; the others run
+    the arithmetic alone. Outputs equal the plain step's exactly.
 
     Parameters
     ----------
