@@ -43,7 +43,8 @@ def by_formula(rule, x):
     if rule == "dplr":
         read = torch.einsum("...i,...ij->...j", x["a"], S)
         S = S if decay is None else decay * S
-        S = S + x["b"][..., :, None] * read[..., None, :] + x["k"][..., :, None] * x["v"][..., None, :]
+        S = S + x["b"][..., :, None] * read[..., None, :]
+        S = S + x["k"][..., :, None] * x["v"][..., None, :]
         return 0.5 * torch.einsum("...i,...ij->...j", x["q"], S), S
     z = x["z"] if decay is None else decay[..., 0] * x["z"]
     S = (S if decay is None else decay * S) + x["k"][..., :, None] * x["v"][..., None, :]
