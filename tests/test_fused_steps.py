@@ -103,7 +103,8 @@ def test_the_callers_state_is_never_written(rule, grad):
 
 
 def test_the_fused_forms_apply_to_these_inputs_only():
-    """One state per token row: fused; a key shared by grouped heads: the array-API form."""
+    """One state per token row: fused; a key shared by grouped heads: fused outside autograd
+    (expanded), the array-API form under it; NumPy arrays: the array-API form."""
     from polylin._backend import ops
 
     x = {name: a.detach() for name, a in draws(2, "channel").items()}
@@ -112,7 +113,21 @@ def test_the_fused_forms_apply_to_these_inputs_only():
     assert ops.fused_dplr_step(x["q"], x["k"], x["v"], x["a"], x["b"], decay, x["S"]) is not None
     assert ops.fused_linear_step(x["q"], x["k"], x["v"], decay, x["S"], x["z"]) is not None
     shared = x["k"][:, :1]
-    assert ops.fused_delta_step(x["q"], shared, x["v"], x["beta"], decay, x["S"]) is None
-    assert ops.fused_linear_step(x["q"], shared, x["v"], None, x["S"], x["z"]) is None
+    fused = ops.fused_linear_step(x["q"], shared, x["v"], None, x["S"], x["z"])
+    assert fused is not None
+    torch.testing.assert_close(fused[1], x["S"] + shared[..., :, None] * x["v"][..., None, :],
+                               rtol=0, atol=1e-15)  # fmt: skip
+    recorded = shared.clone().requires_grad_()
+    assert ops.fused_delta_step(x["q"], recorded, x["v"], x["beta"], decay, x["S"]) is None
     assert ops.fused_dplr_step(*(a.numpy() for a in (x["q"], x["k"], x["v"], x["a"], x["b"])),
                                None, x["S"].numpy()) is None  # fmt: skip
+
+
+def test_grouped_keys_outside_autograd_match_the_formula():
+    """Keys and queries shared by the heads of a group (Mamba-2's B and C): the expanded fused
+    form gives the recurrence's values."""
+    x = {name: a.detach() for name, a in draws(3, "scalar").items()}
+    x["q"], x["k"] = x["q"][:, :1], x["k"][:, :1]
+    for rule in ("delta", "dplr", "linear"):
+        for a, b in zip(by_polylin(rule, x), by_formula(rule, x), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
