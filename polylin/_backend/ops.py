@@ -25,6 +25,7 @@ __all__ = [
     "fused_delta_step",
     "fused_dplr_step",
     "fused_linear_step",
+    "fused_step_rows",
     "keep_lower",
     "l2_normalize",
     "matmul",
@@ -211,7 +212,19 @@ def _add_outer_owned(state: Any, own: bool, x: Any, y: Any) -> Any:
     return torch_module().addcmul(state, x, y)
 
 
-def fused_delta_step(q: Any, k: Any, v: Any, beta: Any, decay: Any | None, S: Any) -> Any:
+def fused_step_rows(x: Any, batch: tuple, *shapes: tuple) -> int | None:
+    """The number of states ``n`` (the product of ``batch``) if ``x`` is a PyTorch tensor and
+    every per-token array's ``shape`` has the leading dimensions ``batch``: a prepared step's
+    plan finds once whether :func:`fused_delta_step` applies (``rows=n``), instead of at every
+    token; else ``None``."""
+    if torch_namespace_of(x) is None or any(tuple(s[:-1]) != tuple(batch) for s in shapes):
+        return None
+    return math.prod(batch)
+
+
+def fused_delta_step(
+    q: Any, k: Any, v: Any, beta: Any, decay: Any | None, S: Any, *, rows: int | None = None
+) -> Any:
     """One token of the (gated) delta rule in four passes over the state, on PyTorch where every
     per-token array has the state's leading dimensions (a model's decoding step): ``(o, S_t)``
     with ``o = S_t^T q`` (unscaled), or ``None`` where this does not apply (the caller's
@@ -221,11 +234,16 @@ def fused_delta_step(q: Any, k: Any, v: Any, beta: Any, decay: Any | None, S: An
     prediction written out and subtracted), the rank-1 update adds to that new tensor in
     place and one ``bmm`` reads the output: 4 passes over the state where the array-API form
     makes 6, and 8 tensor calls instead of 15 (the 2 MiB state of 32 heads x 128 x 128, one
-    thread, same process: 0.64x the time of the array-API form)."""
-    rows = _token_rows(S, q, k, v, beta, decay)
-    if rows is None:
-        return None
-    n, (q, k, v, beta, decay) = rows
+    thread, same process: 0.64x the time of the array-API form). ``rows``: the number of
+    states, where the caller has found (:func:`fused_step_rows`) that the arrays qualify: not
+    checked again."""
+    if rows is not None:
+        n = rows
+    else:
+        found = _token_rows(S, q, k, v, beta, decay)
+        if found is None:
+            return None
+        n, (q, k, v, beta, decay) = found
     torch = torch_module()
     m, c = S.shape[-2:]
     state, own = _decayed(S.reshape(n, m, c), decay, n)
