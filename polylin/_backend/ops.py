@@ -275,16 +275,19 @@ def fused_linear_step(
 
 
 def fused_dplr_step(
-    q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any | None, S: Any
-) -> tuple[Any, Any] | None:
+    q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any | None, S: Any, *, rows: int | None = None
+) -> Any:
     """One token of the generalized delta rule on PyTorch where every per-token array has the
     state's leading dimensions: ``(S_t^T q, S_t)``, or ``None`` where this does not apply (see
     :func:`~polylin._forms.dplr.recurrent.dplr_step`). The decayed state is a new tensor that
-    both rank-1 updates add to in place."""
-    rows = _token_rows(S, q, k, v, a, b, decay)
-    if rows is None:
-        return None
-    n, (q, k, v, a, b, decay) = rows
+    both rank-1 updates add to in place. ``rows``: as for :func:`fused_delta_step`."""
+    if rows is not None:
+        n = rows
+    else:
+        found = _token_rows(S, q, k, v, a, b, decay)
+        if found is None:
+            return None
+        n, (q, k, v, a, b, decay) = found
     torch = torch_module()
     m, c = S.shape[-2:]
     flat = S.reshape(n, m, c)
