@@ -253,18 +253,21 @@ def fused_delta_step(
 
 
 def fused_linear_step(
-    fq: Any, fk: Any, v: Any, decay: Any | None, S: Any, z: Any
-) -> tuple[Any, Any, Any] | None:
+    fq: Any, fk: Any, v: Any, decay: Any | None, S: Any, z: Any, *, rows: int | None = None
+) -> Any:
     """One token of (decayed) linear attention on PyTorch where every per-token array has the
     state's leading dimensions: ``(S_t^T fq, S_t, z_t)``, or ``None`` where this does not
     apply (see :func:`~polylin._forms.linear.recurrent.recurrent_step`). The decayed state
     is a new tensor that the rank-1 update adds to in place, and ``z_t = decay z + fk`` is one
     ``addcmul``: 3 passes over the state and 6 tensor calls where the array-API form makes 4
-    and 11."""
-    rows = _token_rows(S, fq, fk, v, decay)
-    if rows is None or z.shape != S.shape[:-1]:
-        return None
-    n, (fq, fk, v, decay) = rows
+    and 11. ``rows``: as for :func:`fused_delta_step`."""
+    if rows is not None:
+        n = rows
+    else:
+        found = _token_rows(S, fq, fk, v, decay)
+        if found is None or z.shape != S.shape[:-1]:
+            return None
+        n, (fq, fk, v, decay) = found
     torch = torch_module()
     m, c = S.shape[-2:]
     state, own = _decayed(S.reshape(n, m, c), decay, n)

@@ -29,15 +29,17 @@ def recurrent_step(
     *,
     log_decay: Any | None = None,
     normalize: bool = True,
+    rows: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """Advance the state by one token and return ``(output, S, z)``.
 
     ``fq``, ``fk`` are mapped features ``(..., d_phi)``, ``v`` is ``(..., d_v)``, ``S`` and ``z``
     the state before the token, ``log_decay`` ``(..., 1 or d_phi)`` or None. Cost and memory
-    are independent of the position.
+    are independent of the position. ``rows``: the number of states where the caller found
+    that the fused PyTorch step applies (``_backend.ops.fused_step_rows``).
     """
     factor = None if log_decay is None else xp.exp(log_decay)
-    fused = fused_linear_step(fq, fk, v, factor, S, z)  # PyTorch, one state per token row
+    fused = fused_linear_step(fq, fk, v, factor, S, z, rows=rows)  # PyTorch, a state a row
     if fused is not None:
         numerator, S, z = fused
     else:
