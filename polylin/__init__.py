@@ -20,9 +20,9 @@ from .delta_rule import (
 )
 from .dplr import DPLR_METHODS, dplr_delta_rule, dplr_delta_rule_step, prepare_dplr_step
 from .linear_scan import linear_scan, linear_scan_step, rg_lru, rg_lru_step
-from .mlstm import MLSTMState, mlstm, mlstm_step
+from .mlstm import MLSTMState, mlstm, mlstm_step, prepare_mlstm_step
 from .normalization import group_norm, rms_norm
-from .selective_scan import selective_scan, selective_scan_step
+from .selective_scan import prepare_selective_scan_step, selective_scan, selective_scan_step
 
 __version__ = "0.2.0"
 
@@ -55,6 +55,8 @@ __all__ = [
     "mlstm_step",
     "prepare_delta_rule_step",
     "prepare_dplr_step",
+    "prepare_mlstm_step",
+    "prepare_selective_scan_step",
     "prepare_step",
     "rg_lru",
     "rg_lru_step",

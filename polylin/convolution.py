@@ -6,12 +6,14 @@ sees inputs ``t - width + 1 .. t`` only. Its decoding state is the last ``width 
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 from ._backend.namespace import device as device_of
 from ._backend.ops import cumulative_sum
 from ._inputs.arrays import check_beside, namespace_of, other_device, work_dtype_for
 from ._inputs.layout import DEFAULT_SEQ_AXIS, standard_layout
+from ._inputs.steps import PlanCache
 from ._inputs.validation import AttentionInputs, check_flag, check_mask, check_token_mask
 from ._typing import Array
 from .activations import silu
@@ -324,18 +326,76 @@ def causal_conv1d_step(
     >>> bool(np.allclose(y4, causal_conv1d(x, w, activation="silu")[4]))
     True
     """
+    args = (x_t, weight, bias, state, attention_mask)
+    plan, _ = _PLANS.plan(partial(_plan_step, activation=activation), args, (activation,))
+    return _run_step(plan, *args)
+
+
+#: :func:`causal_conv1d_step`'s checks run once per signature of its arguments and options
+#: (``_inputs.steps``): a decoding loop pays them once, not at every token.
+_PLANS = PlanCache()
+
+
+class _StepPlan(NamedTuple):
+    """What :func:`causal_conv1d_step`'s checks found, for one signature of its arguments."""
+
+    inputs: AttentionInputs
+    activation: str | None
+    state_shape: tuple  # (..., width - 1, channels)
+    mask_shape: tuple | None  # the token mask as (..., 1)
+
+
+def _plan_step(
+    x_t: Any, weight: Any, bias: Any, state: Any, attention_mask: Any, *, activation: Any
+) -> tuple[_StepPlan, None]:
+    """Every check of :func:`causal_conv1d_step` (those of :func:`causal_conv1d` on the token
+    as a length-1 sequence included)."""
     inputs = _check_arrays(x_t, weight, bias, activation, name="x_t", core=1)
-    xp = inputs.xp
     keep = None
     if attention_mask is not None:
         keep = check_token_mask(inputs, attention_mask, token="x_t")  # (..., 1)
     x = x_t[..., None, :]
-    if keep is not None:
+    lead = _check_arrays(x, weight, bias, activation, name="x", core=2).batch_shape
+    shape = (*lead, weight.shape[1] - 1, x_t.shape[-1])
+    _check_state(inputs, state, shape, "state")
+    return _StepPlan(inputs, activation, shape, None if keep is None else tuple(keep.shape)), None
+
+
+def _run_step(
+    plan: _StepPlan,
+    x_t: Any,
+    weight: Any,
+    bias: Any,
+    state: Any,
+    attention_mask: Any,
+    *,
+    checked: None = None,
+) -> tuple[Any, Any]:
+    """:func:`causal_conv1d_step`'s arithmetic (:func:`causal_conv1d`'s on one token) on
+    arguments of the plan's signature."""
+    inputs = plan.inputs
+    xp = inputs.xp
+    x = x_t[..., None, :]
+    keep = None
+    if attention_mask is not None:
+        keep = xp.reshape(attention_mask, plan.mask_shape)
         x = xp.where(keep[..., None], x, 0.0)
-    out, new_state = causal_conv1d(
-        x, weight, bias, activation=activation, state=state, return_state=True
-    )
+    S = state
+    if S is None:
+        S = xp.zeros(plan.state_shape, dtype=inputs.work_dtype, device=inputs.device)
+    x, w = inputs.to_work_dtype(x), inputs.to_work_dtype(weight)
+    width = weight.shape[1]
+    ext = xp.concat([S, x], axis=-2) if width > 1 else x
+    out = ext[..., 0:1, :] * w[:, 0]
+    for i in range(1, width):
+        out = out + ext[..., i : i + 1, :] * w[:, i]
+    if bias is not None:
+        out = out + inputs.to_work_dtype(bias)
+    if plan.activation is not None:
+        out = silu(out)
+    out = out if out.dtype == inputs.dtype else xp.astype(out, inputs.dtype)
     out = out[..., 0, :]
+    new_state = ext[..., 1:, :] if width > 1 else S
     if keep is not None:
         old = state
         if old is None:

@@ -7,6 +7,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from ._backend.namespace import is_array
+from ._backend.ops import fused_step_rows
 from ._forms.linear.recurrent import recurrent_step
 from ._inputs.defaults import DEFAULT_EPS
 from ._inputs.gates import check_log_decay, check_normalize, log_decay_values
@@ -135,6 +136,7 @@ class _StepPlan(NamedTuple):
     state_shapes: tuple[tuple, tuple]  # (S, z) broadcast to the batch
     broadcast_state: bool  # a given state has fewer leading dimensions than the batch
     fixed_decay: Any  # the log decay of a number or None (the same at every call), or PER_CALL
+    fused_rows: int | None  # PyTorch, a state per token row: ``fused_step_rows`` found once
 
 
 def _plan_step(
@@ -168,6 +170,11 @@ def _plan_step(
     )
     decay = check_log_decay(inputs, log_decay, length=None, d_phi=fq.shape[-1])
     map_query, map_key = resolve_feature_map(feature_map)
+    shapes = [tuple(x.shape) for x in (fq, fk, v_t)]
+    gate = log_decay if is_array(log_decay) else decay
+    if gate is not None:
+        shapes.append(tuple(gate.shape))
+    fused = fused_step_rows(q_t, inputs.batch_shape, *shapes)
     plan = _StepPlan(
         inputs,
         map_query,
@@ -179,6 +186,7 @@ def _plan_step(
         state is not None
         and (tuple(state[0].shape), tuple(state[1].shape)) != (tuple(S.shape), tuple(z.shape)),
         PER_CALL if is_array(log_decay) else decay,
+        fused,
     )
     return plan, (fq, fk)
 
@@ -219,8 +227,9 @@ def _run_step(
     if decay is PER_CALL:
         decay = log_decay_values(inputs, log_decay, explicit=1)
     o_t, S, z = recurrent_step(
-        xp, fq, fk, v_t, S0, z0, plan.eps, log_decay=decay, normalize=plan.normalize
-    )
+        xp, fq, fk, v_t, S0, z0, plan.eps, log_decay=decay, normalize=plan.normalize,
+        rows=plan.fused_rows,
+    )  # fmt: skip
     if mask is not None:  # rows that do not take the token keep their state exactly
         S, z = xp.where(mask[..., None], S, S0), xp.where(mask, z, z0)
     return finish(inputs, o_t, mask), LinearAttentionState(S, z)

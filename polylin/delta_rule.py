@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from ._backend.namespace import is_array
-from ._backend.ops import l2_normalize
+from ._backend.ops import fused_delta_step, fused_step_rows, l2_normalize
 from ._forms.delta.chunked import delta_chunked
 from ._forms.delta.quadratic import delta_quadratic
 from ._forms.delta.recurrent import delta_recurrent, delta_step
@@ -357,14 +357,21 @@ def _plan_step(
     as_given = used_as_given(
         inputs, (beta_t, per_token), (log_decay, log_decay_shape(log_decay, per_token))
     )
+    decay = planned_decay(inputs, log_decay, g)
+    fused = None
+    if as_given:
+        arrays = [q_t, k_t, v_t, beta_t if is_array(beta_t) else beta]
+        arrays += [x for x in (log_decay if is_array(log_decay) else decay,) if x is not None]
+        fused = fused_step_rows(q_t, batch, *(tuple(x.shape) for x in arrays))
     plan = StepPlan(
         inputs,
         scale,
         (*batch, d_k, d_v),
-        planned_decay(inputs, log_decay, g),
+        decay,
         (None if is_array(beta_t) else beta,),
         qk_l2norm,
         as_given,
+        fused,
     )
     return plan, None
 
@@ -394,7 +401,11 @@ def _run_step(
         q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
     if plan.qk_l2norm:
         q, k = l2_normalize(xp, q), l2_normalize(xp, k)
-    o_t, S = delta_step(xp, q, k, v, beta, step_decay(plan, log_decay), step_state(plan, state))
+    decay, S0 = step_decay(plan, log_decay), step_state(plan, state)
+    if plan.fused_rows is not None:  # PyTorch, one state per token row: found by the plan
+        o_t, S = fused_delta_step(q, k, v, beta, decay, S0, rows=plan.fused_rows)
+    else:
+        o_t, S = delta_step(xp, q, k, v, beta, decay, S0)
     if plan.scale != 1.0:
         o_t = o_t * plan.scale
     return finish(inputs, o_t, None), S

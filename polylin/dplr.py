@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 from ._backend.namespace import is_array
+from ._backend.ops import fused_dplr_step, fused_step_rows
 from ._forms.dplr.chunked import dplr_chunked
 from ._forms.dplr.quadratic import dplr_quadratic
 from ._forms.dplr.recurrent import dplr_recurrent, dplr_step
@@ -336,13 +337,15 @@ def _plan_step(
     check_matrix_state(inputs, state, (*batch, d_k, d_v), name="state")
     vectors = ((x, (*x.shape[:-1], d_k) if x.ndim else None) for x in (a_t, b_t))
     log_decay_as_given = (log_decay, log_decay_shape(log_decay, (*batch, 1)))
+    decay = planned_decay(inputs, log_decay, g)
+    as_given = used_as_given(inputs, *vectors, log_decay_as_given)
+    fused = None
+    if as_given:
+        arrays = [q_t, k_t, v_t, a_t, b_t]
+        arrays += [x for x in (log_decay if is_array(log_decay) else decay,) if x is not None]
+        fused = fused_step_rows(q_t, batch, *(tuple(x.shape) for x in arrays))
     plan = StepPlan(
-        inputs,
-        scale,
-        (*batch, d_k, d_v),
-        planned_decay(inputs, log_decay, g),
-        (),
-        as_given=used_as_given(inputs, *vectors, log_decay_as_given),
+        inputs, scale, (*batch, d_k, d_v), decay, (), as_given=as_given, fused_rows=fused
     )
     return plan, None
 
@@ -369,8 +372,11 @@ def _run_step(
         q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
     if plan.scale != 1.0:
         q = q * plan.scale
-    decay = step_decay(plan, log_decay)
-    o_t, S = dplr_step(inputs.xp, q, k, v, a, b, decay, step_state(plan, state))
+    decay, S0 = step_decay(plan, log_decay), step_state(plan, state)
+    if plan.fused_rows is not None:  # PyTorch, one state per token row: found by the plan
+        o_t, S = fused_dplr_step(q, k, v, a, b, decay, S0, rows=plan.fused_rows)
+    else:
+        o_t, S = dplr_step(inputs.xp, q, k, v, a, b, decay, S0)
     return finish(inputs, o_t, None), S
 
 

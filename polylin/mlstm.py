@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
+from ._backend.namespace import is_array
 from ._forms.mlstm.chunked import mlstm_chunked
 from ._forms.mlstm.quadratic import mlstm_quadratic
 from ._forms.mlstm.recurrent import mlstm_recurrent, mlstm_step_form
@@ -19,6 +21,7 @@ from ._inputs.defaults import DEFAULT_CHUNK_SIZE
 from ._inputs.layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._inputs.prepare import finish
 from ._inputs.sequences import check_scale, run_sequences
+from ._inputs.steps import PlanCache, PreparedStep
 from ._inputs.validation import (
     AttentionInputs,
     check_coefficient,
@@ -26,11 +29,14 @@ from ._inputs.validation import (
     check_method,
     check_options,
     check_qkv,
+    coefficient_values,
 )
 from ._typing import Array
 from .activations import softplus
 
-__all__ = ["MLSTM_EPS", "MLSTM_METHODS", "MLSTMState", "mlstm", "mlstm_step"]
+__all__ = [
+    "MLSTM_EPS", "MLSTM_METHODS", "MLSTMState", "mlstm", "mlstm_step", "prepare_mlstm_step"
+]  # fmt: skip
 
 #: The algorithms of :func:`mlstm`; they compute the same function.
 MLSTM_METHODS = ("chunked", "recurrent", "quadratic")
@@ -348,6 +354,38 @@ def mlstm_step(
     >>> bool(np.allclose(np.stack(outputs), whole[6:]))
     True
     """
+    args = (q_t, k_t, v_t, i_t, f_t, state)
+    plan, _ = _PLANS.plan(partial(_plan_step, scale=scale, eps=eps), args, (scale, eps))
+    return _run_step(plan, *args)
+
+
+#: :func:`mlstm_step`'s checks run once per signature of its arguments and options.
+_PLANS = PlanCache()
+
+
+class _StepPlan(NamedTuple):
+    """What :func:`mlstm_step`'s checks found, for one signature of its arguments."""
+
+    inputs: AttentionInputs
+    scale: float
+    eps: float
+    gates: tuple  # (i, log sigmoid(f)) of numbers (converted once); None for an array
+    state_shapes: tuple  # the shapes of (C, n, m), broadcast to the batch
+
+
+def _plan_step(
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
+    i_t: Any,
+    f_t: Any,
+    state: Any,
+    *,
+    scale: Any,
+    eps: Any,
+) -> tuple[_StepPlan, None]:
+    """Check every argument of :func:`mlstm_step` (the ``plan`` of its
+    :class:`~polylin.PreparedStep`)."""
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
     eps, _ = check_options(eps=eps, inputs=inputs)
     batch, d_k, d_v = inputs.batch_shape, k_t.shape[-1], v_t.shape[-1]
@@ -357,8 +395,87 @@ def mlstm_step(
         for name, x in (("i_t", i_t), ("f_t", f_t))
     )
     checked = _check_state(inputs, state, batch, d_k, d_v, "state")
+    gates = (None if is_array(i_t) else i, None if is_array(f_t) else _log_forget(f))
+    shapes = tuple(tuple(part.shape) for part in checked)
+    return _StepPlan(inputs, scale, eps, gates, shapes), None
+
+
+def _run_step(
+    plan: _StepPlan,
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
+    i_t: Any,
+    f_t: Any,
+    state: Any,
+    *,
+    checked: None = None,
+) -> tuple[Array, MLSTMState]:
+    """:func:`mlstm_step`'s arithmetic on arguments of the plan's signature."""
+    inputs = plan.inputs
+    xp = inputs.xp
+    gate_shape = plan.state_shapes[2]
+    i, g = plan.gates
+    if i is None:
+        i = coefficient_values(inputs, i_t, gate_shape)
+    if g is None:
+        g = _log_forget(coefficient_values(inputs, f_t, gate_shape))
+    if state is None:
+        parts = tuple(
+            xp.zeros(shape, dtype=inputs.work_dtype, device=inputs.device)
+            for shape in plan.state_shapes
+        )
+    else:
+        parts = tuple(
+            x if tuple(x.shape) == shape else xp.broadcast_to(x, shape)
+            for x, shape in zip(state, plan.state_shapes)
+        )
     q, k, v = (inputs.to_work_dtype(x) for x in (q_t, k_t, v_t))
-    if scale != 1.0:
-        q = q * scale
-    h, parts = mlstm_step_form(inputs.xp, q, k, v, _log_forget(f), i, tuple(checked), eps=eps)
-    return finish(inputs, h, None), MLSTMState(*parts)
+    if plan.scale != 1.0:
+        q = q * plan.scale
+    h, new = mlstm_step_form(xp, q, k, v, g, i, parts, eps=plan.eps)
+    return finish(inputs, h, None), MLSTMState(*new)
+
+
+def prepare_mlstm_step(*, scale: float | None = None, eps: float = MLSTM_EPS) -> PreparedStep:
+    """:func:`mlstm_step` for a decoding loop: arguments checked once, then arithmetic only.
+
+    The returned function is called like :func:`mlstm_step` without its options,
+    ``prepared(q_t, k_t, v_t, i_t, f_t, state=None)``, and returns the same ``(h_t, state)``,
+    equal to the last bit. Its first call checks everything :func:`mlstm_step` checks; later
+    calls whose arrays have the same library, shape, dtype and device as the call before (and
+    numbers of the same values) skip the checks, and gates given as numbers are converted
+    once. Any other call is checked again: errors are :func:`mlstm_step`'s.
+
+    Parameters
+    ----------
+    scale : float, optional
+        As in :func:`mlstm_step`; checked at the first call.
+    eps : float
+        As in :func:`mlstm_step`; checked at the first call.
+
+    Returns
+    -------
+    PreparedStep
+        A callable ``(q_t, k_t, v_t, i_t, f_t, state=None, /)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import mlstm, prepare_mlstm_step
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 10, 4))
+    >>> i_gate, f_gate = rng.standard_normal((2, 10, 1))
+    >>> prompt, state = mlstm(q[:6], k[:6], v[:6], i_gate[:6], f_gate[:6], return_state=True)
+    >>> decode, outputs = prepare_mlstm_step(), []
+    >>> for t in range(6, 10):
+    ...     h_t, state = decode(q[t], k[t], v[t], i_gate[t], f_gate[t], state)
+    ...     outputs.append(h_t)
+    >>> bool(np.allclose(np.stack(outputs), mlstm(q, k, v, i_gate, f_gate)[6:]))
+    True
+    """
+    names = ("q_t", "k_t", "v_t", "i_t", "f_t", "state")
+    return PreparedStep(
+        partial(_plan_step, scale=scale, eps=eps), _run_step, name="mlstm_step", names=names,
+        required=5, positional_only=6, positional=6,
+    )  # fmt: skip

@@ -8,6 +8,7 @@ channel and the state axis. See ``docs/selective_scan.md`` for the math and the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 from ._backend.namespace import device as device_of
@@ -28,6 +29,7 @@ from ._inputs.defaults import DEFAULT_EPS
 from ._inputs.layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._inputs.prepare import finish
 from ._inputs.sequences import run_sequences
+from ._inputs.steps import PlanCache, PreparedStep
 from ._inputs.validation import (
     AttentionInputs,
     check_flag,
@@ -38,7 +40,9 @@ from ._inputs.validation import (
 from ._typing import Array
 from .activations import silu, softplus
 
-__all__ = ["SELECTIVE_METHODS", "selective_scan", "selective_scan_step"]
+__all__ = [
+    "SELECTIVE_METHODS", "prepare_selective_scan_step", "selective_scan", "selective_scan_step"
+]  # fmt: skip
 
 #: The algorithms of :func:`selective_scan`; they compute the same function.
 SELECTIVE_METHODS = ("chunked", "recurrent", "quadratic")
@@ -372,18 +376,119 @@ def selective_scan_step(
     >>> bool(np.allclose(np.stack(outputs), whole[6:]))
     True
     """
+    args = (x_t, dt_t, A, B_t, C_t, state, D, z, dt_bias)
+    plan, _ = _PLANS.plan(partial(_plan_step, dt_softplus=dt_softplus), args, (dt_softplus,))
+    return _run_step(plan, *args)
+
+
+#: :func:`selective_scan_step`'s checks run once per signature of its arguments and options.
+_PLANS = PlanCache()
+
+
+class _StepPlan(NamedTuple):
+    """What :func:`selective_scan_step`'s checks found, for one signature of its arguments
+    (``A``, ``D`` and ``dt_bias`` are arrays of every call: converted at every call)."""
+
+    inputs: AttentionInputs
+    state_shape: tuple  # (..., D, N)
+    dt_softplus: bool
+
+
+def _plan_step(
+    x_t: Array,
+    dt_t: Array,
+    A: Array,
+    B_t: Array,
+    C_t: Array,
+    state: Array | None,
+    D: Array | None,
+    z: Array | None,
+    dt_bias: Array | None,
+    *,
+    dt_softplus: Any,
+) -> tuple[_StepPlan, None]:
+    """Check every argument of :func:`selective_scan_step` (the ``plan`` of its
+    :class:`~polylin.PreparedStep`)."""
     checked = _check(
         x_t, dt_t, A, B_t, C_t, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, token=True
     )
     inputs = checked.inputs
-    xp = inputs.xp
     shape = (*inputs.batch_shape, checked.channels, checked.state_size)
-    h = check_matrix_state(inputs, state, shape, name="state", token_shape=tuple(x_t.shape))
-    x, dt, B, C = (inputs.to_work_dtype(a) for a in (x_t, dt_t, B_t, C_t))
-    dt = _time_steps(xp, dt, checked.dt_bias, dt_softplus)
-    y, h = selective_step(xp, x, dt, checked.A, B, C, h)
-    if checked.D is not None:
-        y = y + x * checked.D
+    check_matrix_state(inputs, state, shape, name="state", token_shape=tuple(x_t.shape))
+    return _StepPlan(inputs, shape, dt_softplus), None
+
+
+def _run_step(
+    plan: _StepPlan,
+    x_t: Array,
+    dt_t: Array,
+    A: Array,
+    B_t: Array,
+    C_t: Array,
+    state: Array | None,
+    D: Array | None,
+    z: Array | None,
+    dt_bias: Array | None,
+    *,
+    checked: None = None,
+) -> tuple[Array, Array]:
+    """:func:`selective_scan_step`'s arithmetic on arguments of the plan's signature."""
+    inputs = plan.inputs
+    xp = inputs.xp
+    work = inputs.to_work_dtype
+    if state is None:
+        h = xp.zeros(plan.state_shape, dtype=inputs.work_dtype, device=inputs.device)
+    else:
+        h = state if tuple(state.shape) == plan.state_shape else xp.broadcast_to(
+            state, plan.state_shape)  # fmt: skip
+    x, dt, B, C = (work(a) for a in (x_t, dt_t, B_t, C_t))
+    dt = _time_steps(xp, dt, None if dt_bias is None else work(dt_bias), plan.dt_softplus)
+    y, h = selective_step(xp, x, dt, nonpositive(xp, work(A)), B, C, h)
+    if D is not None:
+        y = y + x * work(D)
     if z is not None:
-        y = y * silu(inputs.to_work_dtype(z))
+        y = y * silu(work(z))
     return finish(inputs, y, None), h
+
+
+def prepare_selective_scan_step(*, dt_softplus: bool = False) -> PreparedStep:
+    """:func:`selective_scan_step` for a decoding loop: checked once, then arithmetic only.
+
+    The returned function is called like :func:`selective_scan_step` without
+    ``dt_softplus``, ``prepared(x_t, dt_t, A, B_t, C_t, state=None, *, D=None, z=None,
+    dt_bias=None)``, and returns the same ``(y_t, state)``, equal to the last bit. Its first
+    call checks everything :func:`selective_scan_step` checks; later calls whose arrays have
+    the same library, shape, dtype and device as the call before skip the checks. Any other
+    call is checked again: errors are :func:`selective_scan_step`'s.
+
+    Parameters
+    ----------
+    dt_softplus : bool
+        As in :func:`selective_scan_step`; checked at the first call.
+
+    Returns
+    -------
+    PreparedStep
+        A callable ``(x_t, dt_t, A, B_t, C_t, state=None, /, *, D=None, z=None,
+        dt_bias=None)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polylin import prepare_selective_scan_step, selective_scan
+    >>> rng = np.random.default_rng(0)
+    >>> x, dt = rng.standard_normal((2, 10, 6))
+    >>> B, C = rng.standard_normal((2, 10, 4))
+    >>> A = -np.exp(rng.standard_normal((6, 4)))
+    >>> decode, h, outputs = prepare_selective_scan_step(dt_softplus=True), None, []
+    >>> for t in range(10):
+    ...     y_t, h = decode(x[t], dt[t], A, B[t], C[t], h)
+    ...     outputs.append(y_t)
+    >>> bool(np.allclose(np.stack(outputs), selective_scan(x, dt, A, B, C, dt_softplus=True)))
+    True
+    """
+    names = ("x_t", "dt_t", "A", "B_t", "C_t", "state", "D", "z", "dt_bias")
+    return PreparedStep(
+        partial(_plan_step, dt_softplus=dt_softplus), _run_step, name="selective_scan_step",
+        names=names, required=5, positional_only=6, positional=6,
+    )  # fmt: skip

@@ -22,6 +22,10 @@ __all__ = [
     "concat_leading",
     "cumulative_sum",
     "dense",
+    "fused_delta_step",
+    "fused_dplr_step",
+    "fused_linear_step",
+    "fused_step_rows",
     "keep_lower",
     "l2_normalize",
     "matmul",
@@ -133,16 +137,28 @@ def add_outer(xp: Any, S: Any, *pairs: tuple[Any, Any]) -> Any:
     :data:`_RANK_TWO_MATMUL` elements: one matmul of the stacked factors, one state-sized
     temporary instead of two and one addition instead of two (0.4-0.7x the time of the two
     outer products from 32768 elements on; below 16384 stacking the factors costs more than it
-    saves)."""
+    saves). NumPy, one pair on states of at least :data:`_RANK_ONE_MATMUL` elements per matrix:
+    the same matmul with a zero second pair, whose inner loops span whole rows where the
+    broadcast product iterates over one row at a time (the 32 x 128 x 128 state of a decoding
+    step: 0.87x the time of the step); the sums are the same to the bit (``x y + 0 0``). The
+    matmul's new array takes the sum in place."""
     if torch_namespace_of(S) is not None:
         for x, y in pairs:
             S = torch_module().addcmul(S, x[..., :, None], y[..., None, :])
         return S
-    if len(pairs) == 2 and is_numpy_array(S) and S.size >= _RANK_TWO_MATMUL:
-        (x1, y1), (x2, y2) = pairs
+    if is_numpy_array(S) and (
+        (len(pairs) == 2 and S.size >= _RANK_TWO_MATMUL)
+        or (len(pairs) == 1 and S.shape[-1] * S.shape[-2] >= _RANK_ONE_MATMUL)
+    ):
+        (x1, y1), (x2, y2) = pairs if len(pairs) == 2 else (*pairs, (xp.zeros_like(pairs[0][0]),
+                                                                     xp.zeros_like(pairs[0][1])))
         xs = xp.stack(xp.broadcast_arrays(x1, x2), axis=-1)  # (..., m, 2)
         ys = xp.stack(xp.broadcast_arrays(y1, y2), axis=-2)  # (..., 2, n)
-        return S + xs @ ys
+        update = xs @ ys
+        if update.shape != S.shape or update.dtype != S.dtype:
+            return S + update
+        update += S  # the matmul's own new array
+        return update
     for x, y in pairs:
         S = S + x[..., :, None] * y[..., None, :]
     return S
@@ -151,6 +167,138 @@ def add_outer(xp: Any, S: Any, *pairs: tuple[Any, Any]) -> Any:
 #: The state size (elements) from which :func:`add_outer` adds two outer products on NumPy as
 #: one matmul (measured at d = 64 for batch x heads 1 to 64: equal at 16384, faster above).
 _RANK_TWO_MATMUL = 2**15
+
+#: The size of one state matrix (elements) from which :func:`add_outer` adds one outer product
+#: on NumPy as a matmul (faster at 128 x 128, the same or slower at 64 x 64).
+_RANK_ONE_MATMUL = 2**14
+
+
+def _token_rows(S: Any, *arrays: Any | None) -> tuple[int, tuple] | None:
+    """``(n, arrays)`` where the fused steps below apply: ``S`` is a PyTorch tensor and every
+    given per-token array has its leading dimensions (``n`` states, their product), or
+    broadcasts to them outside autograd (keys shared by grouped heads, Mamba-2's ``B`` and
+    ``C``: expanded, a copy of one token's vectors; under autograd the copy would be kept per
+    group for the backward, and the array-API form runs). ``None`` elsewhere."""
+    if torch_namespace_of(S) is None:
+        return None
+    lead = S.shape[:-2]
+    if all(x is None or x.shape[:-1] == lead for x in arrays):
+        return math.prod(lead), arrays
+    given = [x for x in arrays if x is not None]
+    if S.requires_grad or any(x.requires_grad for x in given):
+        return None
+    if not all(x.ndim - 1 <= len(lead) and all(
+        a in (1, b) for a, b in zip(reversed(x.shape[:-1]), reversed(lead))
+    ) for x in given):  # fmt: skip
+        return None
+    expanded = tuple(None if x is None else x.expand(*lead, x.shape[-1]) for x in arrays)
+    return math.prod(lead), expanded
+
+
+def _decayed(state: Any, decay: Any | None, n: int) -> tuple[Any, bool]:
+    """``(diag(decay) state, whether that is a new tensor of the caller's own)`` for a flat
+    ``(n, m, c)`` state and a decay ``(..., 1 or m)`` (``None``: no decay)."""
+    if decay is None:
+        return state, False
+    return state * decay.reshape(n, -1, 1), True
+
+
+def _add_outer_owned(state: Any, own: bool, x: Any, y: Any) -> Any:
+    """``state + x y^T`` for ``x`` ``(n, m, 1)`` and ``y`` ``(n, 1, c)``: in place where
+    ``state`` is a new tensor of the caller's own that autograd does not record (never an
+    argument of polylin's caller), one ``addcmul`` otherwise."""
+    if own and not state.requires_grad:
+        return state.addcmul_(x, y)
+    return torch_module().addcmul(state, x, y)
+
+
+def fused_step_rows(x: Any, batch: tuple, *shapes: tuple) -> int | None:
+    """The number of states ``n`` (the product of ``batch``) if ``x`` is a PyTorch tensor and
+    every per-token array's ``shape`` has the leading dimensions ``batch``: a prepared step's
+    plan finds once whether :func:`fused_delta_step` applies (``rows=n``), instead of at every
+    token; else ``None``."""
+    if torch_namespace_of(x) is None or any(tuple(s[:-1]) != tuple(batch) for s in shapes):
+        return None
+    return math.prod(batch)
+
+
+def fused_delta_step(
+    q: Any, k: Any, v: Any, beta: Any, decay: Any | None, S: Any, *, rows: int | None = None
+) -> Any:
+    """One token of the (gated) delta rule in four passes over the state, on PyTorch where every
+    per-token array has the state's leading dimensions (a model's decoding step): ``(o, S_t)``
+    with ``o = S_t^T q`` (unscaled), or ``None`` where this does not apply (the caller's
+    array-API form runs; see :func:`~polylin._forms.delta.recurrent.delta_step`).
+
+    The decay scales the state into a new tensor, one ``baddbmm`` gives ``v - S^T k`` (no
+    prediction written out and subtracted), the rank-1 update adds to that new tensor in
+    place and one ``bmm`` reads the output: 4 passes over the state where the array-API form
+    makes 6, and 8 tensor calls instead of 15 (the 2 MiB state of 32 heads x 128 x 128, one
+    thread, same process: 0.64x the time of the array-API form). ``rows``: the number of
+    states, where the caller has found (:func:`fused_step_rows`) that the arrays qualify: not
+    checked again."""
+    if rows is not None:
+        n = rows
+    else:
+        found = _token_rows(S, q, k, v, beta, decay)
+        if found is None:
+            return None
+        n, (q, k, v, beta, decay) = found
+    torch = torch_module()
+    m, c = S.shape[-2:]
+    state, own = _decayed(S.reshape(n, m, c), decay, n)
+    error = torch.baddbmm(v.reshape(n, 1, c), k.reshape(n, 1, m), state, alpha=-1.0)
+    state = _add_outer_owned(state, own, k.reshape(n, m, 1), error * beta.reshape(n, 1, 1))
+    return torch.bmm(q.reshape(n, 1, m), state).reshape(v.shape), state.reshape(S.shape)
+
+
+def fused_linear_step(
+    fq: Any, fk: Any, v: Any, decay: Any | None, S: Any, z: Any, *, rows: int | None = None
+) -> Any:
+    """One token of (decayed) linear attention on PyTorch where every per-token array has the
+    state's leading dimensions: ``(S_t^T fq, S_t, z_t)``, or ``None`` where this does not
+    apply (see :func:`~polylin._forms.linear.recurrent.recurrent_step`). The decayed state
+    is a new tensor that the rank-1 update adds to in place, and ``z_t = decay z + fk`` is one
+    ``addcmul``: 3 passes over the state and 6 tensor calls where the array-API form makes 4
+    and 11. ``rows``: as for :func:`fused_delta_step`."""
+    if rows is not None:
+        n = rows
+    else:
+        found = _token_rows(S, fq, fk, v, decay)
+        if found is None or z.shape != S.shape[:-1]:
+            return None
+        n, (fq, fk, v, decay) = found
+    torch = torch_module()
+    m, c = S.shape[-2:]
+    state, own = _decayed(S.reshape(n, m, c), decay, n)
+    state = _add_outer_owned(state, own, fk.reshape(n, m, 1), v.reshape(n, 1, c))
+    z = z + fk if decay is None else torch.addcmul(fk, decay, z)
+    out = torch.bmm(fq.reshape(n, 1, m), state).reshape(v.shape)
+    return out, state.reshape(S.shape), z
+
+
+def fused_dplr_step(
+    q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any | None, S: Any, *, rows: int | None = None
+) -> Any:
+    """One token of the generalized delta rule on PyTorch where every per-token array has the
+    state's leading dimensions: ``(S_t^T q, S_t)``, or ``None`` where this does not apply (see
+    :func:`~polylin._forms.dplr.recurrent.dplr_step`). The decayed state is a new tensor that
+    both rank-1 updates add to in place. ``rows``: as for :func:`fused_delta_step`."""
+    if rows is not None:
+        n = rows
+    else:
+        found = _token_rows(S, q, k, v, a, b, decay)
+        if found is None:
+            return None
+        n, (q, k, v, a, b, decay) = found
+    torch = torch_module()
+    m, c = S.shape[-2:]
+    flat = S.reshape(n, m, c)
+    read = torch.bmm(a.reshape(n, 1, m), flat)  # a^T S_{t-1}, before the decay
+    state, own = _decayed(flat, decay, n)
+    state = _add_outer_owned(state, own, b.reshape(n, m, 1), read)
+    state = _add_outer_owned(state, True, k.reshape(n, m, 1), v.reshape(n, 1, c))
+    return torch.bmm(q.reshape(n, 1, m), state).reshape(v.shape), state.reshape(S.shape)
 
 
 def add_matmul(xp: Any, c: Any, a: Any, b: Any) -> Any:
@@ -190,7 +338,11 @@ def vector_times_matrix(xp: Any, x: Any, S: Any) -> Any:
     product is a sum of ``x * S``, which keeps ``x`` itself for the backward (a broadcast
     matmul would keep a copy of ``x`` per group, :func:`matmul` a permuted copy of ``S``).
     Same leading dimensions on PyTorch: one ``bmm`` of the flattened batch, which measured
-    2.3x faster than ``@`` on a decoding step's five-dimensional state (7 against 16 us)."""
+    2.3x faster than ``@`` on a decoding step's five-dimensional state (7 against 16 us).
+    NumPy (no backward): a broadcast ``matmul`` always, which neither copies ``x`` per group
+    nor writes the product ``x * S`` out."""
+    if is_numpy_array(S):
+        return (x[..., None, :] @ S)[..., 0, :]
     if x.shape[:-1] != S.shape[:-2]:
         return xp.sum(x[..., :, None] * S, axis=-2)
     if torch_namespace_of(S) is not None:

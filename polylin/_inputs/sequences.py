@@ -106,6 +106,9 @@ class StepPlan(NamedTuple):
     #: Every per-call array is used as given: it is in the work dtype and has the shape its
     #: conversion gives (no cast, reshape or broadcast), as in a model's decoding loop.
     as_given: bool = False
+    #: PyTorch, arrays as given with the state's leading dimensions: the number of states for
+    #: ``_backend.ops.fused_delta_step(rows=)``, found once; else ``None``.
+    fused_rows: int | None = None
 
 
 def used_as_given(inputs: AttentionInputs, *arrays: tuple[Any, tuple | None]) -> bool:

@@ -134,12 +134,13 @@ def _option_signature(x: Any) -> Hashable:
 class PreparedStep:
     """A decoding step that checks its arguments once per signature, then only computes.
 
-    Build one with :func:`~polylin.prepare_step`, :func:`~polylin.prepare_delta_rule_step` or
-    :func:`~polylin.prepare_dplr_step`, and call it like the step it prepares (without the
-    options given to ``prepare_*``), once per token. The first call, and any call whose arrays
-    differ in library, shape, dtype or device (or whose numbers differ) from the one before it,
-    is checked like the plain step and raises the same errors; the others run the arithmetic
-    alone. Outputs equal the plain step's exactly.
+    Build one with :func:`~polylin.prepare_step`, :func:`~polylin.prepare_delta_rule_step`,
+    :func:`~polylin.prepare_dplr_step`, :func:`~polylin.prepare_mlstm_step` or
+    :func:`~polylin.prepare_selective_scan_step`, and call it like the step it prepares
+    (without the options given to ``prepare_*``), once per token. The first call, and any call
+    whose arrays differ in library, shape, dtype or device (or whose numbers differ) from the
+    one before it, is checked like the plain step and raises the same errors; the others run
+    the arithmetic alone. Outputs equal the plain step's exactly.
 
     Parameters
     ----------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._backend.ops import add_outer, unstack, vector_times_matrix
+from ..._backend.ops import add_outer, fused_delta_step, unstack, vector_times_matrix
 
 __all__ = ["delta_recurrent", "delta_step"]
 
@@ -23,6 +23,9 @@ def delta_step(
     (``exp(g_t)``, not its log; ``None`` for no decay) ``(..., 1 or d_k)``, ``S`` is
     ``(..., d_k, d_v)``.
     """
+    fused = fused_delta_step(q, k, v, beta, decay, S)  # PyTorch, one state per token row
+    if fused is not None:
+        return fused
     if decay is not None:
         S = S * decay[..., None]
     prediction = vector_times_matrix(xp, k, S)  # what the state recalls for k_t

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._backend.ops import add_outer, unstack, vector_times_matrix
+from ..._backend.ops import add_outer, fused_dplr_step, unstack, vector_times_matrix
 
 __all__ = ["dplr_recurrent", "dplr_step"]
 
@@ -19,6 +19,9 @@ def dplr_step(
 ) -> tuple[Any, Any]:
     """One token: ``(o_t, S_t)``. ``q, k, a, b`` are ``(..., d_k)``, ``v`` ``(..., d_v)``,
     ``decay`` (``exp(g_t)``, not its log) ``(..., 1 or d_k)`` or ``None``, ``S`` the state."""
+    fused = fused_dplr_step(q, k, v, a, b, decay, S)  # PyTorch, one state per token row
+    if fused is not None:
+        return fused
     read = vector_times_matrix(xp, a, S)  # a_t^T S_{t-1}, before the decay
     if decay is not None:
         S = S * decay[..., :, None]

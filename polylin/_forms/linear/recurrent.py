@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any
 
 from ..._backend.execution import scan
-from ..._backend.ops import add_outer, unstack, vector_times_matrix
+from ..._backend.ops import add_outer, fused_linear_step, unstack, vector_times_matrix
 
 __all__ = ["causal_recurrent", "recurrent_step"]
 
@@ -29,20 +29,26 @@ def recurrent_step(
     *,
     log_decay: Any | None = None,
     normalize: bool = True,
+    rows: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """Advance the state by one token and return ``(output, S, z)``.
 
     ``fq``, ``fk`` are mapped features ``(..., d_phi)``, ``v`` is ``(..., d_v)``, ``S`` and ``z``
     the state before the token, ``log_decay`` ``(..., 1 or d_phi)`` or None. Cost and memory
-    are independent of the position.
+    are independent of the position. ``rows``: the number of states where the caller found
+    that the fused PyTorch step applies (``_backend.ops.fused_step_rows``).
     """
-    if log_decay is not None:
-        factor = xp.exp(log_decay)
-        S = factor[..., :, None] * S
-        z = factor * z
-    S = add_outer(xp, S, (fk, v))
-    z = z + fk
-    numerator = vector_times_matrix(xp, fq, S)
+    factor = None if log_decay is None else xp.exp(log_decay)
+    fused = fused_linear_step(fq, fk, v, factor, S, z, rows=rows)  # PyTorch, a state a row
+    if fused is not None:
+        numerator, S, z = fused
+    else:
+        if factor is not None:
+            S = factor[..., :, None] * S
+            z = factor * z
+        S = add_outer(xp, S, (fk, v))
+        z = z + fk
+        numerator = vector_times_matrix(xp, fq, S)
     if not normalize:
         return numerator, S, z
     normalizer = xp.sum(fq * z, axis=-1, keepdims=True)
