@@ -256,9 +256,12 @@ def test_page_examples(page: Path) -> None:
             run_block(block, namespace)
 
 
-@pytest.mark.parametrize("block", GATED, ids=[b.id for b in GATED])
+@pytest.mark.parametrize(
+    "block", GATED, ids=[f"{b.id}-{'-'.join(x.value for x in b.requires)}" for b in GATED]
+)
 def test_page_examples_needing_a_backend(block: Block) -> None:
-    """A block marked ``% requires: <backend>`` runs wherever that backend is usable."""
+    """A block marked ``% requires: <backend>`` runs wherever that backend is usable (its id
+    names the backends, so that a GPU check's ``-k BACKEND`` selects it)."""
     for backend in block.requires:
         reason = backend.unavailable_reason()
         if reason is not None:

@@ -158,10 +158,7 @@ def delta_chunked(
             Q, K = l2_normalize(xp, Q), l2_normalize(xp, K)
         if scale != 1.0:
             Q = Q * scale
-        outputs, S = _block(
-            xp, Q, K, *rest, S=S, causal=causal, in_loop=eager and threads == 1,
-            chunk_major=accelerator,
-        )  # fmt: skip
+        outputs, S = _block(xp, Q, K, *rest, S=S, causal=causal, in_loop=eager and threads == 1)
         pieces.extend(outputs)
     out = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-3)
     out = xp.reshape(out, (*out.shape[:-3], padded, out.shape[-1]))
@@ -221,16 +218,13 @@ def _block(
     S: Any,
     causal: Any,
     in_loop: bool,
-    chunk_major: bool = False,
 ) -> tuple[list[Any], Any]:
     """Outputs of N consecutive chunks from the state ``S``, and the state after them: the
     outputs as pieces ``(..., chunks, C, d_v)`` in order (one per chunk when ``in_loop``, else
     one of all N). ``Q, K, V, B`` (and the log decays, if any) are ``(..., N, C, d)``.
 
     The intra-chunk matrices come from :func:`_factored` where the library solves triangular
-    systems and the gate (if any) is a scalar, else from :func:`_levels`. ``chunk_major``
-    (accelerators) copies each operand of the chunk loop once with the chunk axis first, so
-    that every chunk's matrices are dense and the batched products copy nothing per chunk.
+    systems and the gate (if any) is a scalar, else from :func:`_levels`.
     """
     G = rest[0] if rest else None
     solve = unit_lower_solver(xp, K)
@@ -243,11 +237,7 @@ def _block(
     # once (one op for autograd); per chunk W_n = T_n (diag(beta) V_n + keys_rhs_n S_n) and the
     # state update remain (T applied once, to the sum, not to each term before the loop).
     operands = (inverse, V * B, keys_rhs, xp.matrix_transpose(blocks.keys))
-    axis = -3
-    if chunk_major:  # each chunk's operands one dense array: no copy inside the products
-        operands = tuple(dense(xp, xp.moveaxis(x, -3, 0)) for x in operands)
-        axis = 0
-    Ts, BVs, Rs, Ks = (unstack(xp, x, axis=axis) for x in operands)
+    Ts, BVs, Rs, Ks = (unstack(xp, x, axis=-3) for x in operands)
     decays = (
         [None] * len(Ts)
         if blocks.whole is None
