@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and polylin
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import ggml_floors  # noqa: E402
 from benchmarks.timing import goal, run_metadata, write_report  # noqa: E402
 from polylin import (  # noqa: E402
     LinearAttentionState,
@@ -376,41 +377,43 @@ def reference(case: Case, x: dict[str, np.ndarray]) -> np.ndarray:
 
 def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[], Any]:
     """polylin's fastest call for ``case`` on arrays ``x`` of ``backend`` (float32); it
-    returns the output in the layout of :func:`reference`."""
+    returns what polylin returns, the final state included (:func:`output` picks the output).
+    A compiler (``--compile``) then has the state to compute, as a model needs it."""
     xp = backend.namespace()
     decode = case.phase == "decode"
     token = {n: a[:, 0] for n, a in x.items() if n not in ("A", "S", "weight", "state")}
     if case.family == "conv":
         if decode:
-            return lambda: causal_conv1d_step(token["x"], x["weight"], state=x["state"])[0][:, None]
-        return lambda: causal_conv1d(x["x"], x["weight"], state=x["state"], seq_axis=1)
+            return lambda: causal_conv1d_step(token["x"], x["weight"], state=x["state"])
+        return lambda: causal_conv1d(
+            x["x"], x["weight"], state=x["state"], seq_axis=1, return_state=True)
     if case.family in ("gdn", "kda"):
         scale = case.size("d") ** -0.5
         if decode:
             step = prepare_delta_rule_step(scale=scale)
             return lambda: step(token["q"], token["k"], token["v"], token["beta"], x["S"],
-                                log_decay=token["g"])[0][:, None]  # fmt: skip
+                                log_decay=token["g"])  # fmt: skip
         return lambda: delta_rule_attention(
             x["q"], x["k"], x["v"], x["beta"], log_decay=x["g"], scale=scale,
-            initial_state=x["S"], return_state=True, seq_axis=1)[0]  # fmt: skip
+            initial_state=x["S"], return_state=True, seq_axis=1)  # fmt: skip
     if case.family == "wkv7":
         if decode:
             step = prepare_dplr_step()
             return lambda: step(*(token[n] for n in ("q", "k", "v", "a", "b")), x["S"],
-                                log_decay=token["g"])[0][:, None]  # fmt: skip
+                                log_decay=token["g"])  # fmt: skip
         return lambda: dplr_delta_rule(
             x["q"], x["k"], x["v"], x["a"], x["b"], log_decay=x["g"], initial_state=x["S"],
-            return_state=True, seq_axis=1)[0]  # fmt: skip
+            return_state=True, seq_axis=1)  # fmt: skip
     state = LinearAttentionState(x["S"], xp.zeros(x["S"].shape[:-1], dtype=x["S"].dtype))
     if case.family == "gla":
         scale = case.size("d") ** -0.5
         if decode:
             step = prepare_step(identity, normalize=False)
             return lambda: step(token["q"] * scale, token["k"], token["v"], state,
-                                log_decay=token["g"])[0][:, None]  # fmt: skip
+                                log_decay=token["g"])  # fmt: skip
         return lambda: causal_linear_attention(
             x["q"] * scale, x["k"], x["v"], identity, log_decay=x["g"], normalize=False,
-            initial_state=state, return_state=True, seq_axis=1)[0]  # fmt: skip
+            initial_state=state, return_state=True, seq_axis=1)  # fmt: skip
 
     def ssm_inputs(at: dict[str, Any]) -> tuple[Any, Any]:  # ggml's softplus, x dt', dt' A
         dt = at["dt"]
@@ -422,7 +425,7 @@ def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[]
 
         def ssm_token() -> Any:
             v, log_decay = ssm_inputs(token)
-            return step(token["C"], token["B"], v, state, log_decay=log_decay)[0][:, None]
+            return step(token["C"], token["B"], v, state, log_decay=log_decay)
 
         return ssm_token
 
@@ -430,16 +433,22 @@ def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[]
         v, log_decay = ssm_inputs(x)
         return causal_linear_attention(
             x["C"], x["B"], v, identity, log_decay=log_decay, normalize=False,
-            initial_state=state, return_state=True, seq_axis=1)[0]  # fmt: skip
+            initial_state=state, return_state=True, seq_axis=1)  # fmt: skip
 
     return ssm
+
+
+def output(case: Case, result: Any) -> Any:
+    """The output in :func:`polylin_call`'s ``result``, in the layout of :func:`reference`."""
+    return result[0][:, None] if case.phase == "decode" else result[0]
 
 
 # -- polylin's side: checked, then timed (in a process per thread count) --------------------
 
 #: The largest error allowed against the float64 reference, relative to the output's scale.
 TOLERANCE = 1e-3
-BACKENDS = {"numpy": Backend.NUMPY, "torch": Backend.TORCH}
+#: ``torch.compile`` is polylin's PyTorch call compiled whole (``--backends torch.compile``)
+BACKENDS = {"numpy": Backend.NUMPY, "torch": Backend.TORCH, "torch.compile": Backend.TORCH}
 
 
 def _times(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[float, float]:
@@ -459,30 +468,69 @@ def _times(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[float,
     return statistics.fmean(times), statistics.median(times)
 
 
+def _checked(case: Case, name: str, got: Any, want: np.ndarray, backend: Backend) -> float:
+    """The error of ``got`` against the float64 ``want`` relative to its scale; raises above
+    :data:`TOLERANCE` (or on another shape)."""
+    got = backend.to_numpy(got).astype(np.float64)
+    error = float(np.max(np.abs(got - want))) / max(1.0, float(np.max(np.abs(want))))
+    if got.shape != want.shape or not error <= TOLERANCE:
+        raise AssertionError(f"{case.name} on {name}: shape {got.shape} vs "
+                             f"{want.shape}, error {error:.2e} > {TOLERANCE}")  # fmt: skip
+    return error
+
+
 def time_polylin(
-    chosen: list[Case], backends: list[str], repeats: int, budget_s: float
+    chosen: list[Case], backends: list[str], repeats: int, budget_s: float, floors: bool = False
 ) -> list[dict[str, Any]]:
     """Each case on each backend: the error against :func:`reference`, then the times.
 
-    A call whose error exceeds :data:`TOLERANCE` raises: nothing unchecked is timed."""
+    A call whose error exceeds :data:`TOLERANCE` raises: nothing unchecked is timed. On
+    ``torch.compile`` the first call's time (the compilation) is ``compile_s``. With
+    ``floors``, PyTorch's rows get ``floor_s`` (``benchmarks/ggml_floors.py``): prefill, the
+    time of the call's matrix products (and ``products_share``, ``operations_share``);
+    decoding, the bare state passes, checked like the call (none for the convolution's
+    prefill)."""
     rows = []
     for case in chosen:
         inputs = make_inputs(case)
         want = reference(case, inputs)
-        scale = max(1.0, float(np.max(np.abs(want))))
         for name in backends:
             backend = BACKENDS[name]
-            fn = polylin_call(case, backend, {n: backend.from_numpy(a, "float32")
-                                              for n, a in inputs.items()})  # fmt: skip
-            got = backend.to_numpy(fn()).astype(np.float64)
-            error = float(np.max(np.abs(got - want))) / scale
-            if got.shape != want.shape or not error <= TOLERANCE:
-                raise AssertionError(f"{case.name} on {name}: shape {got.shape} vs "
-                                     f"{want.shape}, error {error:.2e} > {TOLERANCE}")
+            x = {n: backend.from_numpy(a, "float32") for n, a in inputs.items()}
+            fn = polylin_call(case, backend, x)
+            extra: dict[str, Any] = {}
+            if name == "torch.compile":
+                import torch
+
+                torch._dynamo.reset()
+                fn = torch.compile(fn, dynamic=False)
+            start = time.perf_counter()
+            error = _checked(case, name, output(case, fn()), want, backend)
+            if name == "torch.compile":
+                extra["compile_s"] = time.perf_counter() - start
             mean, median = _times(fn, repeats, budget_s)
+            if floors and name == "torch":
+                extra.update(_floor(case, fn, mean, x, want, repeats, budget_s))
             rows.append({"case": case.name, "backend": name, "error": error,
-                         "seconds": mean, "median_s": median})  # fmt: skip
+                         "seconds": mean, "median_s": median, **extra})  # fmt: skip
     return rows
+
+
+def _floor(
+    case: Case, fn: Callable[[], Any], mean: float, x: dict[str, Any], want: np.ndarray,
+    repeats: int, budget_s: float,
+) -> dict[str, Any]:
+    """``floor_s`` of a PyTorch row (see :func:`time_polylin`); none for the convolution's
+    prefill, which has no matrix products."""
+    if case.phase == "prefill" and case.family == "conv":
+        return {}
+    if case.phase == "prefill":
+        products, operations = ggml_floors.profile_shares(fn)
+        return {"floor_s": products * mean, "products_share": products,
+                "operations_share": operations}  # fmt: skip
+    passes = ggml_floors.state_passes(case.family, x)
+    _checked(case, "torch, bare state passes", passes(), want, Backend.TORCH)
+    return {"floor_s": _times(passes, repeats, budget_s)[0]}
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -491,7 +539,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads[0])
     chosen = [c for c in cases(args.quick) if args.only is None or c.op in args.only]
-    rows = time_polylin(chosen, args.backends, args.repeats, args.budget)
+    rows = time_polylin(chosen, args.backends, args.repeats, args.budget, args.floors)
     print(json.dumps(rows))
 
 
@@ -503,6 +551,8 @@ def run_polylin(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
                "--backends", *args.backends]  # fmt: skip
     if args.quick:
         command.append("--quick")
+    if args.floors:
+        command.append("--floors")
     if args.only:
         command += ["--only", *args.only]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -540,11 +590,17 @@ def combine(
                        "threads": threads, "backend": backend,
                        "error": max(r["error"] for r in own),
                        "polylin_s": statistics.median(r["seconds"] for r in own)}  # fmt: skip
+                for key in ("floor_s", "compile_s", "products_share", "operations_share"):
+                    if all(key in r for r in own):
+                        row[key] = statistics.median(r[key] for r in own)
                 ratios = [r["seconds"] / g for r, g in zip(own, ggml) if g]
                 if ratios:
                     row.update(ggml_s=statistics.median(g for g in ggml if g),
                                ratio=statistics.median(ratios), ratio_min=min(ratios),
                                ratio_max=max(ratios))  # fmt: skip
+                    if "floor_s" in row:
+                        row["floor_ratio"] = statistics.median(
+                            r["floor_s"] / g for r, g in zip(own, ggml) if g)
                     goals.append(goal(f"{case.name}, {backend} / ggml, {threads} thread(s)",
                                       row["ratio"], _limit(case)))  # fmt: skip
                 rows.append(row)
@@ -552,19 +608,28 @@ def combine(
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table: one line per case and thread count."""
+    """The rows as a Markdown table: one line per case and thread count (with ``--floors``,
+    PyTorch's floor as a last column)."""
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     what = " / ggml" if any("ratio" in r for r in rows) else ""
+    floors = any("floor_s" in r for r in rows)
     lines = ["| op, shape | threads | ggml | " + " | ".join(f"{b}{what}" for b in backends)
-             + " | max error |", "|---" * (4 + len(backends)) + "|"]  # fmt: skip
+             + " | max error |" + (f" torch's floor{what} |" if floors else ""),
+             "|---" * (4 + len(backends) + floors) + "|"]  # fmt: skip
     for key in dict.fromkeys((r["case"], r["threads"]) for r in rows):
         mine = [r for r in rows if (r["case"], r["threads"]) == key]
         ggml = mine[0].get("ggml_s")
         cells = [f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
                  if "ratio" in r else f"{r['polylin_s'] * 1e3:.3f} ms" for r in mine]  # fmt: skip
+        floor = next((r for r in mine if "floor_s" in r), None)
+        if floors:  # the floor over ggml's time, or itself where ggml has no row
+            cells.append("-" if floor is None else f"{floor['floor_ratio']:.2f}"
+                         if "floor_ratio" in floor else f"{floor['floor_s'] * 1e3:.3f} ms")
         lines.append(f"| {key[0]} | {key[1]} | "
                      f"{'-' if ggml is None else f'{ggml * 1e3:.3f} ms'} | "
-                     + " | ".join(cells) + f" | {max(r['error'] for r in mine):.1e} |")  # fmt: skip
+                     + " | ".join(cells[:len(backends)])
+                     + f" | {max(r['error'] for r in mine):.1e} |"
+                     + "".join(f" {c} |" for c in cells[len(backends):]))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -575,12 +640,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--budget", type=float, default=4.0, help="seconds of repeats a call")
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    parser.add_argument("--backends", nargs="+", default=["numpy", "torch"],
+                        choices=list(BACKENDS))
     parser.add_argument("--only", nargs="+", choices=OPS, help="these ggml ops only")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--skip-ggml", action="store_true", help="polylin's side only")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, no ggml rows")
+    parser.add_argument(
+        "--floors", action="store_true",
+        help="PyTorch's floors too: prefill's matrix products, decoding's bare state passes")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -147,6 +147,53 @@ def test_ggml_ops_benchmark_polylin_side(tmp_path):
     assert json.loads(out.read_text())["rows"] == report["rows"]
 
 
+def test_ggml_ops_floors():
+    """``--floors``: PyTorch's rows get a floor below their own time (prefill: the share of the
+    call's matrix products; decoding: the bare state passes, checked against the float64 loop;
+    the convolution's prefill has none), and the table shows it."""
+    from benchmarks import ggml_ops
+
+    wanted = [("gdn", "decode"), ("gla", "prefill"), ("conv", "prefill")]
+    chosen = [c for c in ggml_ops.cases(quick=True) if (c.family, c.phase) in wanted]
+    rows = ggml_ops.time_polylin(chosen, ["torch"], 1, 0.05, floors=True)
+    gdn, gla, conv = (next(r for r in rows if r["case"] == c.name) for c in chosen)
+    assert 0 < gla["products_share"] <= gla["operations_share"] <= 1.5
+    assert gla["floor_s"] == pytest.approx(gla["products_share"] * gla["seconds"])
+    assert 0 < gdn["floor_s"] and "products_share" not in gdn and "floor_s" not in conv
+    combined, _ = ggml_ops.combine(chosen, [{"threads": 1, "ggml": [], "polylin": rows}], ["torch"])
+    text = ggml_ops.table(combined)
+    assert "torch's floor |" in text and f"{gdn['floor_s'] * 1e3:.3f} ms |" in text
+
+
+@pytest.mark.parametrize("family", ["gdn", "kda", "ssm", "wkv7", "gla", "conv"])
+def test_ggml_floor_state_passes_are_the_step(family):
+    """The bare state passes compute ggml's token (the float64 loop), and leave the inputs."""
+    import numpy as np
+    import torch
+
+    from benchmarks import ggml_floors, ggml_ops
+
+    case = next(c for c in ggml_ops.cases() if c.family == family and c.phase == "decode")
+    inputs = ggml_ops.make_inputs(case)
+    x = {n: torch.from_numpy(a).float() for n, a in inputs.items()}
+    before = {n: a.clone() for n, a in x.items()}
+    got = ggml_floors.state_passes(family, x)().double().numpy()
+    want = ggml_ops.reference(case, inputs)
+    assert got.shape == want.shape
+    assert np.max(np.abs(got - want)) <= 1e-6 * max(1.0, np.max(np.abs(want)))  # float32
+    assert all(torch.equal(x[n], before[n]) for n in x)
+
+
+def test_ggml_ops_compiled_row():
+    """``torch.compile``: polylin's call compiled whole, checked, timed, its compile time kept."""
+    from benchmarks import ggml_ops
+
+    case = next(c for c in ggml_ops.cases(quick=True) if c.family == "gla")
+    (row,) = ggml_ops.time_polylin([case], ["torch.compile"], 1, 0.05)
+    assert row["backend"] == "torch.compile" and row["error"] <= ggml_ops.TOLERANCE
+    assert row["compile_s"] > row["seconds"] > 0
+
+
 def test_ggml_ops_check_refuses_a_wrong_output(monkeypatch):
     from benchmarks import ggml_ops
 
