@@ -386,15 +386,14 @@ def _run_step(
     x, w = inputs.to_work_dtype(x), inputs.to_work_dtype(weight)
     width = weight.shape[1]
     ext = xp.concat([S, x], axis=-2) if width > 1 else x
-    out = ext[..., 0:1, :] * w[:, 0]
-    for i in range(1, width):
-        out = out + ext[..., i : i + 1, :] * w[:, i]
+    # One product with the taps as rows and one sum over them: two operations on one token,
+    # where the sequence form's shifted views take two per tap.
+    out = xp.sum(ext * xp.matrix_transpose(w), axis=-2)
     if bias is not None:
         out = out + inputs.to_work_dtype(bias)
     if plan.activation is not None:
         out = silu(out)
     out = out if out.dtype == inputs.dtype else xp.astype(out, inputs.dtype)
-    out = out[..., 0, :]
     new_state = ext[..., 1:, :] if width > 1 else S
     if keep is not None:
         old = state
