@@ -301,6 +301,14 @@ def fused_dplr_step(
     return torch.bmm(q.reshape(n, 1, m), state).reshape(v.shape), state.reshape(S.shape)
 
 
+def add_scaled(xp: Any, c: Any, a: Any, b: Any) -> Any:
+    """``c + a * b`` (broadcast): PyTorch's ``addcmul``, one pass that writes the sum once
+    instead of the product and then the sum (a state decayed and incremented per chunk)."""
+    if torch_namespace_of(c) is not None:
+        return torch_module().addcmul(c, a, b)
+    return c + a * b
+
+
 def add_matmul(xp: Any, c: Any, a: Any, b: Any) -> Any:
     """``c + a @ b``, leading dimensions broadcast as in :func:`matmul`. PyTorch, where the three
     have the same leading dimensions (at least one): one ``baddbmm`` of the flattened batch,

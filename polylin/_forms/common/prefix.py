@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._backend.namespace import device
-from ..._backend.ops import concat_leading, cumulative_sum, unstack
+from ..._backend.ops import add_scaled, concat_leading, cumulative_sum, unstack
 
 __all__ = ["chunk_prefix"]
 
@@ -29,9 +29,13 @@ def chunk_prefix(
         running = [state]
         decays = [None] * increments.shape[-3] if decay is None else unstack(xp, decay, axis=-3)
         for increment, factor in zip(unstack(xp, increments, axis=-3), decays):
-            previous = running[-1] if factor is None else factor * running[-1]
-            running.append(previous + increment)
+            if factor is None:
+                running.append(running[-1] + increment)
+            else:
+                running.append(add_scaled(xp, increment, factor, running[-1]))
         new_state = running.pop()
+        if len(running) == 1:  # a block of one chunk: its start as a view, not a copy
+            return running[0][..., None, :, :], new_state
         return xp.stack(running, axis=-3), new_state
     if decay is None:
         prefix = cumulative_sum(xp, increments, axis=-3, include_initial=True)
