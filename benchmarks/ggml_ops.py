@@ -378,7 +378,7 @@ def reference(case: Case, x: dict[str, np.ndarray]) -> np.ndarray:
 def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[], Any]:
     """polylin's fastest call for ``case`` on arrays ``x`` of ``backend`` (float32); it
     returns what polylin returns, the final state included (:func:`output` picks the output).
-    A compiler (``--compile``) then has the state to compute, as a model needs it."""
+    Compiled (``--backends torch.compile``), the state is then computed too, as a model needs."""
     xp = backend.namespace()
     decode = case.phase == "decode"
     token = {n: a[:, 0] for n, a in x.items() if n not in ("A", "S", "weight", "state")}
