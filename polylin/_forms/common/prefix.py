@@ -22,9 +22,10 @@ def chunk_prefix(
     ``increments`` is ``(..., n, d_phi, d_v + 1)``, ``decay`` ``(..., n, 1 or d_phi, 1)`` or
     None (no decay). ``chained``: a Python chain over the chunks, one ``unstack`` in and one
     ``stack`` out (a block holds few chunks; one chunk's start is a view of ``state``), each
-    link one :func:`~polylin._backend.ops.add_scaled` (PyTorch: one ``addcmul``). Otherwise one ``cumulative_sum`` without decay, and
-    with decay a scan of logarithmic depth over the chunk axis (Hillis-Steele on the pairs
-    ``(decay, increment)``; every product of decays is <= 1).
+    link one :func:`~polylin._backend.ops.add_scaled` (PyTorch: one ``addcmul``). Otherwise
+    one ``cumulative_sum`` without decay, and with decay a scan of logarithmic depth over the
+    chunk axis (Hillis-Steele on the pairs ``(decay, increment)``; every product of decays is
+    <= 1).
     """
     if chained:
         running = [state]
