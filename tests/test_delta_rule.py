@@ -150,8 +150,11 @@ def test_matches_reference(backend, rng, method, decay, beta_kind):
 @pytest.mark.parametrize("chunk_size", [1, 3, 5, 16, 64])
 def test_any_chunk_size(rng, monkeypatch, chunk_size, block_rows):
     """Chunks of any length, powers of two or not, shorter or longer than the sequence; in one
-    block or in several (eager CPU backends process blocks of chunks)."""
+    block or in several (eager CPU backends process blocks of chunks). NumPy runs on one
+    thread, whose chunks are capped (``ONE_THREAD_CHUNK``): lifted here, so that 64 is longer
+    than the sequence."""
     monkeypatch.setattr(polylin._forms.delta.chunked, "BLOCK_ROWS", block_rows)
+    monkeypatch.setattr(polylin._forms.delta.chunked, "ONE_THREAD_CHUNK", 1024)
     q, k, v, beta, log_decay = make_inputs(rng, lead=(2,), length=37)
     want, want_state = reference(q, k, v, beta, log_decay)
     out, state = delta_rule_attention(
@@ -159,6 +162,33 @@ def test_any_chunk_size(rng, monkeypatch, chunk_size, block_rows):
     )
     np.testing.assert_allclose(out, want, atol=ATOL64, rtol=0)
     np.testing.assert_allclose(state, want_state, atol=ATOL64, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "asked, T, d_k, where, want",
+    [
+        (64, 4096, 64, "one CPU thread", 32),  # capped: ONE_THREAD_CHUNK
+        (64, 4096, 128, "one CPU thread", 32),
+        (64, 4096, 256, "one CPU thread", 64),  # wider keys: as asked
+        (16, 4096, 64, "one CPU thread", 16),  # shorter than the cap: as asked
+        (64, 20, 64, "one CPU thread", 32),  # no longer than the sequence, a power of two
+        (64, 4096, 64, "two CPU threads", 64),
+        (48, 4096, 64, "two CPU threads", 64),  # rounded up to a power of two
+        (64, 4096, 64, "lazy", 64),  # JAX traced, Dask, torch.compile
+        (16, 4096, 64, "accelerator", 256),  # at least ACCELERATOR_CHUNK
+        (512, 4096, 64, "accelerator", 512),
+    ],
+)
+def test_chunk_length_follows_the_execution(asked, T, d_k, where, want):
+    """The delta rules' chunk length: shorter on one eager CPU thread (its sequential steps
+    cost less than the products they save), longer on eager accelerators, else as asked."""
+    execution = {
+        "one CPU thread": {"accelerator": False, "eager": True, "threads": 1},
+        "two CPU threads": {"accelerator": False, "eager": True, "threads": 2},
+        "lazy": {"accelerator": False, "eager": False, "threads": 1},
+        "accelerator": {"accelerator": True, "eager": False, "threads": 1},
+    }[where]
+    assert polylin._forms.delta.chunked.chunk_length(asked, T, d_k, **execution) == want
 
 
 @pytest.mark.slow_grid

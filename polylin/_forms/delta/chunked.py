@@ -62,7 +62,14 @@ from ..common.intra_chunk import (
     segment_decay,
 )
 
-__all__ = ["ACCELERATOR_CHUNK", "BLOCK_ROWS", "delta_chunked"]
+__all__ = [
+    "ACCELERATOR_CHUNK",
+    "BLOCK_ROWS",
+    "ONE_THREAD_CHUNK",
+    "ONE_THREAD_KEYS",
+    "chunk_length",
+    "delta_chunked",
+]
 
 
 #: Rows (batch x tokens) per block of chunks and per thread (``_backend.execution.cpu_threads``) on
@@ -78,6 +85,34 @@ BLOCK_ROWS = 4096
 #: 8 ms in chunks of 256 (forward + backward: 100, 55 and 32 ms), eager, with float32 errors
 #: of 4e-7 against float64 at every size (``benchmarks/gpu_profile.py``, ``docs/gpu.md``).
 ACCELERATOR_CHUNK = 256
+
+#: The longest chunk on one eager CPU thread (PyTorch with one thread, NumPy, array-api-strict)
+#: for keys of at most :data:`ONE_THREAD_KEYS` channels. Halving the chunk halves the products
+#: that grow with it (``C d`` multiply-adds per token against ``d^2`` for the state's), and on
+#: one thread the twice as many sequential steps cost less than that: chunks of 32 took
+#: 0.78-0.93x the forward time of 64 and 0.84-0.96x forward and backward (PyTorch, one
+#: thread, d = 64 and 128, T = 512-16384, the three gates), NumPy 0.76-0.89x forward. With two
+#: threads the sequential steps gain little from the second thread (forward 0.90-1.08x,
+#: forward and backward 0.95-1.14x), at d = 256 the chunk length makes no difference
+#: (0.99-1.01x): there the chunk stays as asked. Shorter chunks change no result beyond rounding.
+ONE_THREAD_CHUNK = 32
+
+#: The widest keys that :data:`ONE_THREAD_CHUNK` applies to.
+ONE_THREAD_KEYS = 128
+
+
+def chunk_length(
+    chunk_size: int, T: int, d_k: int, *, accelerator: bool, eager: bool, threads: int
+) -> int:
+    """The chunk length the delta rules run: ``chunk_size`` (at most ``T``) rounded up to a power
+    of two, at least :data:`ACCELERATOR_CHUNK` on eager accelerators and at most
+    :data:`ONE_THREAD_CHUNK` on one eager CPU thread for keys of up to :data:`ONE_THREAD_KEYS`
+    channels."""
+    if accelerator:  # fewer sequential steps, each a few launches (ACCELERATOR_CHUNK)
+        chunk_size = max(chunk_size, ACCELERATOR_CHUNK)
+    elif eager and threads == 1 and d_k <= ONE_THREAD_KEYS:
+        chunk_size = min(chunk_size, ONE_THREAD_CHUNK)
+    return 1 << (min(chunk_size, T) - 1).bit_length()
 
 
 def delta_chunked(
@@ -96,10 +131,12 @@ def delta_chunked(
     """The delta rule in chunks of ``chunk_size`` tokens from the state ``S``: ``(out, S_T)``.
 
     The chunk length is rounded up to a power of two (the levels of
-    :func:`polylin._forms.common.intra_chunk.intra_chunk` halve it); zero padding changes no result.
-    On eager CPU backends the chunks are processed in blocks of about :data:`BLOCK_ROWS` rows per
-    thread; lazy and accelerator backends get one block, and eager accelerators chunks of at
-    least :data:`ACCELERATOR_CHUNK` tokens and dense inputs. Blocks come from one reshape and one
+    :func:`polylin._forms.common.intra_chunk.intra_chunk` halve it; :func:`chunk_length`); zero
+    padding changes no result. On eager CPU backends the chunks are processed in blocks of about
+    :data:`BLOCK_ROWS` rows per thread, on one thread in chunks of at most
+    :data:`ONE_THREAD_CHUNK` tokens (keys of up to :data:`ONE_THREAD_KEYS` channels); lazy and
+    accelerator backends get one block, and eager accelerators chunks of at least
+    :data:`ACCELERATOR_CHUNK` tokens and dense inputs. Blocks come from one reshape and one
     ``unstack`` per input (autograd sees no per-block slice); each array keeps its own leading
     dimensions (grouped heads broadcast, nothing is copied per group).
 
@@ -113,13 +150,13 @@ def delta_chunked(
     if T == 0:
         return v[..., :0, :], S
     accelerator = eager_accelerator(xp, device(k))
-    if accelerator:  # fewer sequential steps, each a few launches (ACCELERATOR_CHUNK)
-        chunk_size = max(chunk_size, ACCELERATOR_CHUNK)
-    chunk = 1 << (min(chunk_size, T) - 1).bit_length()
-    n_chunks = -(-T // chunk)
-    per_block = n_chunks
     eager = eager_cpu(xp, device(k))
     threads = cpu_threads(xp) if eager else 1
+    chunk = chunk_length(
+        chunk_size, T, k.shape[-1], accelerator=accelerator, eager=eager, threads=threads
+    )
+    n_chunks = -(-T // chunk)
+    per_block = n_chunks
     if eager:
         rows = BLOCK_ROWS * threads
         per_block = max(1, rows // (chunk * max(1, math.prod(S.shape[:-2]))))
