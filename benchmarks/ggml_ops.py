@@ -375,6 +375,12 @@ def reference(case: Case, x: dict[str, np.ndarray]) -> np.ndarray:
 # -- polylin's calls -------------------------------------------------------------------------
 
 
+#: The delta rules' chunk here: what one CPU thread runs by default (``ONE_THREAD_CHUNK``), and
+#: the faster one at these head sizes with two threads (forward 0.88-0.95x the time of 64) and
+#: compiled (0.66-0.90x, compiling 1.7-4.5x longer: ``docs/delta_rule.md``).
+DELTA_CHUNK = 32
+
+
 def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[], Any]:
     """polylin's fastest call for ``case`` on arrays ``x`` of ``backend`` (float32); it
     returns what polylin returns, the final state included (:func:`output` picks the output).
@@ -395,7 +401,8 @@ def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[]
                                 log_decay=token["g"])  # fmt: skip
         return lambda: delta_rule_attention(
             x["q"], x["k"], x["v"], x["beta"], log_decay=x["g"], scale=scale,
-            initial_state=x["S"], return_state=True, seq_axis=1)  # fmt: skip
+            initial_state=x["S"], return_state=True, seq_axis=1,
+            chunk_size=DELTA_CHUNK)  # fmt: skip
     if case.family == "wkv7":
         if decode:
             step = prepare_dplr_step()
