@@ -191,6 +191,27 @@ def test_chunk_length_follows_the_execution(asked, T, d_k, where, want):
     assert polylin._forms.delta.chunked.chunk_length(asked, T, d_k, **execution) == want
 
 
+@pytest.mark.parametrize("threads, want", [(1, 32), (2, 64)])
+def test_the_chunk_follows_the_threads(rng, monkeypatch, threads, want):
+    """An eager CPU call asks its threads (``cpu_threads``) and runs the chunk
+    :func:`chunk_length` gives for them, with the reference's results either way."""
+    chunked = polylin._forms.delta.chunked
+    monkeypatch.setattr(chunked, "cpu_threads", lambda xp: threads)
+    sizes = []
+    causal_mask = chunked.causal_mask
+    monkeypatch.setattr(
+        chunked, "causal_mask", lambda xp, r, c, dev: sizes.append(r) or causal_mask(xp, r, c, dev)
+    )
+    q, k, v, beta, log_decay = make_inputs(rng, lead=(2,), length=100)
+    want_out, want_state = reference(q, k, v, beta, log_decay)
+    out, state = delta_rule_attention(
+        q, k, v, beta, log_decay=log_decay, chunk_size=64, return_state=True
+    )
+    assert sizes == [want]
+    np.testing.assert_allclose(out, want_out, atol=ATOL64, rtol=0)
+    np.testing.assert_allclose(state, want_state, atol=ATOL64, rtol=0)
+
+
 @pytest.mark.slow_grid
 @pytest.mark.parametrize("first, second", [("chunked", "recurrent"), ("recurrent", "chunked")])
 def test_split_and_resume(backend, rng, monkeypatch, first, second):

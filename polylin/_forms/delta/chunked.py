@@ -91,7 +91,7 @@ ACCELERATOR_CHUNK = 256
 #: that grow with it (``C d`` multiply-adds per token against ``d^2`` for the state's), and on
 #: one thread the twice as many sequential steps cost less than that: chunks of 32 took
 #: 0.78-0.93x the forward time of 64 and 0.84-0.96x forward and backward (PyTorch, one
-#: thread, d = 64 and 128, T = 512-16384, the three gates), NumPy 0.76-0.89x forward. With two
+#: thread, d = 64 and 128, T = 512-16384, the three gates), NumPy 0.76-0.99x forward. With two
 #: threads the sequential steps gain little from the second thread (forward 0.90-1.08x,
 #: forward and backward 0.95-1.14x), at d = 256 the chunk length makes no difference
 #: (0.99-1.01x): there the chunk stays as asked. Shorter chunks change no result beyond rounding.
