@@ -221,3 +221,31 @@ def test_ggml_ops_parses_perf_lines_and_skips_without_a_compiler(monkeypatch, tm
     monkeypatch.setattr(ggml_ops.shutil, "which", lambda name: None)
     assert ggml_ops.build_ggml(tmp_path / "cache") is None
     assert "not found: the ggml side is skipped" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options", [["--backend", "numpy"], ["--backward"]])
+def test_delta_chunks_benchmark(tmp_path, options):
+    """Chunk 32 against 64, each checked against the other, the cap restored afterwards."""
+    import polylin._forms.delta.chunked as chunked
+    from benchmarks import delta_chunks
+
+    out = tmp_path / "chunks.json"
+    report = delta_chunks.main(["--quick", "--repeats", "2", "--json", str(out), *options])
+    assert [(r["T"], r["gate"]) for r in report["rows"]] == [(96, "scalar"), (96, "channel")]
+    for row in report["rows"]:
+        assert row["error"] < 1e-4 and row["chunk32_s"] > 0 and row["chunk64_s"] > 0
+        assert row["ratio"] == pytest.approx(row["chunk32_s"] / row["chunk64_s"])
+    assert chunked.ONE_THREAD_CHUNK == 32
+    assert json.loads(out.read_text())["rows"] == report["rows"]
+
+
+def test_delta_chunks_runs_each_chunk_as_asked():
+    """Inside the benchmark's context one thread runs 64 when asked (the cap lifted)."""
+    import polylin._forms.delta.chunked as chunked
+    from benchmarks import delta_chunks
+
+    execution = {"accelerator": False, "eager": True, "threads": 1}
+    assert chunked.chunk_length(64, 4096, 64, **execution) == 32
+    with delta_chunks.chunks_as_asked():
+        assert chunked.chunk_length(64, 4096, 64, **execution) == 64
+    assert chunked.chunk_length(64, 4096, 64, **execution) == 32

@@ -1,0 +1,146 @@
+"""The delta rules' chunk on the CPU: chunk 32 against chunk 64, in one process, alternating.
+
+On one eager CPU thread the delta rules run chunks of at most 32 tokens for keys of up to 128
+channels (``polylin._forms.delta.chunked.ONE_THREAD_CHUNK``); this benchmark lifts that cap for
+its calls, so that each chunk runs as asked, checks that the two chunks give the same outputs
+(to float32 round-off), then times them interleaved (medians; the ratio is chunk 32's time over
+chunk 64's). Forward, or forward and backward with ``--backward`` (PyTorch). Usage::
+
+    python benchmarks/delta_chunks.py [--backend torch|numpy] [--threads 1] [--backward]
+        [--repeats 5] [--quick] [--json out.json]
+
+(glibc told to keep freed memory, ``MALLOC_MMAP_THRESHOLD_=1073741824
+MALLOC_TRIM_THRESHOLD_=2147483648``, makes the figures steadier.) The page "Delta rule" quotes
+its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import polylin._forms.delta.chunked as delta_chunked
+from benchmarks.timing import interleaved_times, run_metadata, write_report
+from polylin import delta_rule_attention
+from polylin.testing import Backend
+
+#: (batch, heads, T, d, gate): the page's shapes; gate "none", "scalar" or "channel" (KDA).
+SHAPES = [
+    (1, 16, 512, 64, "scalar"),
+    (1, 16, 4096, 64, "scalar"),
+    (1, 32, 512, 128, "scalar"),
+    (1, 16, 512, 128, "channel"),
+    (2, 8, 4096, 64, "none"),
+    (2, 8, 4096, 128, "scalar"),
+    (1, 8, 16384, 64, "scalar"),
+    (2, 8, 4096, 64, "channel"),
+    (1, 4, 2048, 256, "scalar"),
+]
+QUICK_SHAPES = [(1, 2, 96, 16, "scalar"), (1, 2, 96, 16, "channel")]
+CHUNKS = (32, 64)
+
+
+@contextlib.contextmanager
+def chunks_as_asked() -> Iterator[None]:
+    """Every chunk runs as asked: the one-thread cap lifted for the duration."""
+    cap = delta_chunked.ONE_THREAD_CHUNK
+    delta_chunked.ONE_THREAD_CHUNK = max(CHUNKS)
+    try:
+        yield
+    finally:
+        delta_chunked.ONE_THREAD_CHUNK = cap
+
+
+def make_inputs(shape: tuple, seed: int = 0) -> dict[str, np.ndarray]:
+    """Unit keys and queries, ``beta`` in (0, 1), log decays in (-0.1, 0] (float32)."""
+    B, H, T, d, gate = shape
+    rng = np.random.default_rng(seed)
+
+    def unit() -> np.ndarray:
+        x = rng.standard_normal((B, H, T, d))
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    arrays = {"q": unit(), "k": unit(), "v": rng.standard_normal((B, H, T, d))}
+    arrays["beta"] = rng.uniform(0.05, 1.0, (B, H, T, 1))
+    if gate != "none":
+        arrays["g"] = -0.1 * rng.random((B, H, T, 1 if gate == "scalar" else d))
+    return {name: x.astype(np.float32) for name, x in arrays.items()}
+
+
+def _call(x: dict[str, Any], chunk: int, backward: bool) -> Callable[[Any], Any]:
+    """One timed call at ``chunk`` (the repeat index is ignored)."""
+
+    def run(_: Any = None) -> Any:
+        out, state = delta_rule_attention(
+            x["q"], x["k"], x["v"], x["beta"], log_decay=x.get("g"), chunk_size=chunk,
+            return_state=True,
+        )  # fmt: skip
+        if backward:
+            (out.sum() + state.sum()).backward()
+            for leaf in x.values():
+                leaf.grad = None
+        return out
+
+    return run
+
+
+def compare(backend: Backend, shape: tuple, *, repeats: int, backward: bool) -> dict[str, Any]:
+    """Chunk 32 against chunk 64 on one shape: both outputs checked against each other, then
+    timed interleaved; medians in seconds and their ratio."""
+    x = {name: backend.from_numpy(a, "float32") for name, a in make_inputs(shape).items()}
+    if backward:
+        for leaf in x.values():
+            leaf.requires_grad_(True)
+    calls = [_call(x, chunk, backward) for chunk in CHUNKS]
+    with chunks_as_asked():
+        outputs = [backend.to_numpy(call().detach() if backward else call()) for call in calls]
+        scale = float(np.abs(outputs[1]).max())
+        error = float(np.abs(outputs[0] - outputs[1]).max())
+        if not error <= 1e-4 * max(scale, 1.0):
+            raise AssertionError(f"{shape}: chunks 32 and 64 differ by {error:.2e}")
+        (t32, _), (t64, _) = interleaved_times(calls, repeats)
+    B, H, T, d, gate = shape
+    return {"batch": B, "heads": H, "T": T, "d": d, "gate": gate, "error": error,
+            "chunk32_s": t32, "chunk64_s": t64, "ratio": t32 / t64}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("torch", "numpy"), default="torch")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--backward", action="store_true", help="forward and backward (torch)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    backend = Backend.TORCH if args.backend == "torch" else Backend.NUMPY
+    if args.backward and backend is not Backend.TORCH:
+        parser.error("--backward needs --backend torch")
+    if backend is Backend.TORCH:
+        backend.module().set_num_threads(args.threads)
+    rows = []
+    print("| batch x heads, T, d, gate | chunk 32 | chunk 64 | 32 / 64 |\n|---|---|---|---|")
+    for shape in QUICK_SHAPES if args.quick else SHAPES:
+        row = compare(backend, shape, repeats=args.repeats, backward=args.backward)
+        rows.append(row)
+        print(f"| {row['batch']} x {row['heads']}, {row['T']}, {row['d']}, {row['gate']} | "
+              f"{row['chunk32_s'] * 1e3:.2f} ms | {row['chunk64_s'] * 1e3:.2f} ms | "
+              f"{row['ratio']:.2f} |", flush=True)  # fmt: skip
+    meta = run_metadata(
+        "python benchmarks/delta_chunks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        backend=args.backend, threads=args.threads, backward=args.backward,
+    )  # fmt: skip
+    return write_report({"meta": meta, "rows": rows, "goals": []}, args.json)
+
+
+if __name__ == "__main__":
+    main()
