@@ -90,11 +90,12 @@ ACCELERATOR_CHUNK = 256
 #: for keys of at most :data:`ONE_THREAD_KEYS` channels. Halving the chunk halves the products
 #: that grow with it (``C d`` multiply-adds per token against ``d^2`` for the state's), and on
 #: one thread the twice as many sequential steps cost less than that: chunks of 32 took
-#: 0.78-0.93x the forward time of 64 and 0.84-0.96x forward and backward (PyTorch, one
-#: thread, d = 64 and 128, T = 512-16384, the three gates), NumPy 0.76-0.99x forward. With two
-#: threads the sequential steps gain little from the second thread (forward 0.90-1.08x,
-#: forward and backward 0.95-1.14x), at d = 256 the chunk length makes no difference
-#: (0.99-1.01x): there the chunk stays as asked. Shorter chunks change no result beyond rounding.
+#: 0.79-0.90x the forward time of 64 and 0.84-0.95x forward and backward (PyTorch, one
+#: thread, d = 64 and 128, T = 512-16384, the three gates), NumPy 0.79-0.94x forward
+#: (``benchmarks/delta_chunks.py``). With two threads the sequential steps gain little from
+#: the second thread (forward 0.89-0.98x, forward and backward 0.95-1.14x), and at d = 256
+#: the chunk makes no difference on one thread (1.00-1.05x): there the chunk stays as asked.
+#: Shorter chunks change no result beyond rounding.
 ONE_THREAD_CHUNK = 32
 
 #: The widest keys that :data:`ONE_THREAD_CHUNK` applies to.
