@@ -314,6 +314,40 @@ def test_jitted_chunked_forward_is_a_scan_on_the_cpu(jb, jax, rng):
     assert not execution.scans_tokens(np, np.zeros(1))
 
 
+@pytest.mark.parametrize("rule", ["delta", "generalized"])
+def test_jitted_delta_rules_scan_their_chunks_on_the_cpu(jb, jax, rule, rng):
+    """Under ``jit`` on the CPU the delta rules' loop over chunks is one scan
+    (``_backend.execution.scans_chunks``): the traced program has the same operations at
+    T = 32 as at T = 128, and the results equal the eager Python loop's."""
+    from polylin import delta_rule_attention, dplr_delta_rule
+    from polylin._backend import execution
+
+    def program(t):
+        q, k, v = (jb.from_numpy(a) for a in _qkv(rng, lead=(2,), t=t))
+        g = jb.from_numpy(-rng.uniform(0.0, 0.5, (2, t, D_K)))
+        if rule == "delta":
+            beta = jb.from_numpy(rng.uniform(0.1, 0.9, (2, t, 1)))
+            args = (q, k, v, beta, g)
+            call = lambda q, k, v, beta, g: delta_rule_attention(  # noqa: E731
+                q, k, v, beta, log_decay=g, chunk_size=CHUNK)  # fmt: skip
+        else:
+            a, b = (jb.from_numpy(rng.standard_normal((2, t, D_K)) * 0.1) for _ in range(2))
+            args = (q, k, v, a, b, g)
+            call = lambda q, k, v, a, b, g: dplr_delta_rule(  # noqa: E731
+                q, k, v, a, b, log_decay=g, chunk_size=CHUNK)  # fmt: skip
+        return call, args, jax.make_jaxpr(call)(*args).jaxpr
+
+    on_cpu = jax.default_backend() == "cpu"
+    call, args, short = program(32)
+    _, _, long = program(128)
+    assert (len(short.eqns) == len(long.eqns)) == on_cpu
+    assert any(e.primitive.name == "scan" for e in long.eqns) == on_cpu
+    np.testing.assert_allclose(
+        jb.to_numpy(jax.jit(call)(*args)), jb.to_numpy(call(*args)), rtol=0, atol=1e-12
+    )
+    assert not execution.scans_chunks(jax.numpy, args[0])  # a concrete array: eager
+
+
 @pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
 def test_scanned_forward_derivatives(jb, jax, gate, rng):
     """The scanned forward's values, reverse-mode gradients (every input and the initial state)

@@ -39,6 +39,7 @@ __all__ = [
     "outside_graph",
     "rows_in_whole_chunks",
     "scan",
+    "scans_chunks",
     "scans_tokens",
     "splits_chunks_on_concat",
     "stacked_qr",
@@ -108,9 +109,23 @@ def scans_tokens(xp: Any, x: Any) -> bool:
     return str(sys.modules["jax"].default_backend()) == "cpu"
 
 
+def scans_chunks(xp: Any, x: Any) -> bool:
+    """Whether the sequential loop over chunks of the delta rules' chunked forms runs as one
+    scan instead of a Python loop.
+
+    JAX tracing for the CPU (under ``jax.jit``): a Python loop would unroll into a graph that
+    grows with T, and XLA's compile time and run time grew faster than T with it (the gated
+    delta rule at 16 heads x 64, T = 4096: 29 s to compile and 4.4x ggml's time unrolled;
+    ``docs/performance.md``, "Against llama.cpp's ggml kernels"). A scan is compiled once
+    whatever T. Eager JAX keeps the Python loop (a scan would be traced anew at every call);
+    so do accelerators, unmeasured.
+    """
+    return scans_tokens(xp, x)
+
+
 def scan(step: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any) -> tuple[Any, Any]:
     """``jax.lax.scan(step, carry, xs)``: ``step`` once per leading index of ``xs``. Only where
-    :func:`scans_tokens` is true (JAX is then imported)."""
+    :func:`scans_tokens` or :func:`scans_chunks` is true (JAX is then imported)."""
     return sys.modules["jax"].lax.scan(step, carry, xs)
 
 

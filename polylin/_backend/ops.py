@@ -12,7 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 from .execution import compiling
-from .namespace import device, is_numpy_array, torch_module, torch_namespace_of
+from .namespace import (
+    JAX_NAMESPACES,
+    device,
+    is_numpy_array,
+    library_name,
+    torch_module,
+    torch_namespace_of,
+)
 
 __all__ = [
     "add_matmul",
@@ -348,11 +355,18 @@ def vector_times_matrix(xp: Any, x: Any, S: Any) -> Any:
     Same leading dimensions on PyTorch: one ``bmm`` of the flattened batch, which measured
     2.3x faster than ``@`` on a decoding step's five-dimensional state (7 against 16 us).
     NumPy (no backward): a broadcast ``matmul`` always, which neither copies ``x`` per group
-    nor writes the product ``x * S`` out."""
+    nor writes the product ``x * S`` out. JAX: ``x`` broadcast to the state's leading
+    dimensions (XLA keeps no copy; its transpose sums over the groups) and one ``matmul``: XLA
+    compiles the sum over the state's rows into a slow reduction (Mamba-2's 48 x 128 x 64
+    states with shared ``B`` and ``C``, a token scan under ``jit`` on the CPU: 35x the time of
+    the matmul)."""
     if is_numpy_array(S):
         return (x[..., None, :] @ S)[..., 0, :]
     if x.shape[:-1] != S.shape[:-2]:
-        return xp.sum(x[..., :, None] * S, axis=-2)
+        if library_name(xp) not in JAX_NAMESPACES:
+            return xp.sum(x[..., :, None] * S, axis=-2)
+        lead = broadcast_shape(tuple(x.shape[:-1]), tuple(S.shape[:-2]))
+        x = xp.broadcast_to(x, (*lead, x.shape[-1]))
     if torch_namespace_of(S) is not None:
         torch = torch_module()
         m, n = S.shape[-2:]

@@ -1,17 +1,59 @@
-"""The states before each chunk: a prefix over the chunk axis, decayed or not.
+"""The states before each chunk: a prefix over the chunk axis, decayed or not, or a loop.
 
-Shared by the chunked forms whose state update across chunks is ``S_{n+1} = decay_n * S_n +
-U_n`` (linear attention with or without a gate, the mLSTM's matrix memory and normalizer).
+:func:`chunk_prefix` serves the chunked forms whose state update across chunks is ``S_{n+1} =
+decay_n * S_n + U_n`` (linear attention with or without a gate, the mLSTM's matrix memory and
+normalizer); :func:`chunk_loop` those whose update depends on the state itself (the delta
+rules: ``S_n`` feeds the chunk's corrections).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..._backend.execution import scan, scans_chunks
 from ..._backend.namespace import device
 from ..._backend.ops import add_scaled, concat_leading, cumulative_sum, unstack
 
-__all__ = ["chunk_prefix"]
+__all__ = ["chunk_loop", "chunk_prefix"]
+
+#: ``step(S, *operands of one chunk) -> (S after the chunk, outputs of the chunk)``.
+ChunkStep = Callable[..., tuple[Any, tuple[Any, ...]]]
+
+
+def chunk_loop(
+    xp: Any, step: ChunkStep, state: Any, operands: Sequence[Any | None]
+) -> tuple[tuple[Any, ...], Any]:
+    """``step`` chunk after chunk from ``state``: ``(outputs, final state)``.
+
+    Each operand is ``(..., n, r, c)``, the chunk axis third from last (``None``: passed as
+    ``None`` to every step); each output of ``step`` is ``(..., r', c')`` and is returned
+    stacked, ``(..., n, r', c')``. ``state`` must have the leading dimensions of every state
+    ``step`` returns (the broadcast ones). A Python loop (one ``unstack`` per operand, one
+    ``stack`` per output), or one scan where :func:`~polylin._backend.execution.scans_chunks`.
+    """
+    given = [x for x in operands if x is not None]
+    where = [x is not None for x in operands]
+
+    def fill(pieces: Sequence[Any]) -> list[Any]:
+        it = iter(pieces)
+        return [next(it) if present else None for present in where]
+
+    if scans_chunks(xp, state):
+
+        def one(S: Any, pieces: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+            return step(S, *fill(pieces))
+
+        xs = tuple(xp.moveaxis(x, -3, 0) for x in given)
+        state, stacked = scan(one, state, xs)
+        return tuple(xp.moveaxis(y, 0, -3) for y in stacked), state
+    count = given[0].shape[-3]
+    per_chunk = list(zip(*(unstack(xp, x, axis=-3) for x in given))) or [()] * count
+    results: list[tuple[Any, ...]] = []
+    for pieces in per_chunk:
+        state, outputs = step(state, *fill(pieces))
+        results.append(outputs)
+    return tuple(xp.stack(list(ys), axis=-3) for ys in zip(*results)), state
 
 
 def chunk_prefix(

@@ -29,12 +29,14 @@ Every function takes ``xp`` and arrays already validated, masked (masked tokens 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 from ..._backend.execution import cpu_threads, eager_cpu
 from ..._backend.namespace import device
-from ..._backend.ops import add_matmul, pad_rows, split_rows, unit_lower_solver, unstack
+from ..._backend.ops import add_matmul, pad_rows, split_rows, unit_lower_solver
 from ..common.intra_chunk import READ_SCORES, READ_SOLVE, SCORES, intra_chunk
+from ..common.prefix import chunk_loop
 
 __all__ = ["BLOCK_ROWS", "channel_chunk", "dplr_chunked"]
 
@@ -135,20 +137,20 @@ def _chunks(
     U = xp.matmul(inverse, xp.matmul(A_ak, V))  # R_n = U_n + W_n S_n
     W = xp.matmul(inverse, reads)
     increments = xp.matmul(xp.matrix_transpose(keys), V)  # (..., n, d_k, d_v)
-    Us, Ws, Bs, Ks = (
-        unstack(xp, x, axis=-3) for x in (U, W, xp.matrix_transpose(values), increments)
-    )
-    decays = (
-        [None] * n_chunks if whole is None else unstack(xp, xp.matrix_transpose(whole), axis=-3)
-    )
-    states, all_reads = [], []
-    for n in range(n_chunks):
-        states.append(S)
-        R = add_matmul(xp, Us[n], Ws[n], S)  # PyTorch: one baddbmm, no temporary product
-        all_reads.append(R)
-        kept = S if decays[n] is None else decays[n] * S
-        S = add_matmul(xp, kept + Ks[n], Bs[n], R)
-    starts = xp.stack(states, axis=-3)  # (..., n, d_k, d_v): the state before each chunk
-    R = xp.stack(all_reads, axis=-3)  # (..., n, C, d_v)
+    decay = None if whole is None else xp.matrix_transpose(whole)  # (..., n, w, 1)
+    operands = [U, W, xp.matrix_transpose(values), increments, decay]
+    # (..., n, d_k, d_v) the state before each chunk, (..., n, C, d_v) the reads R
+    (starts, R), S = chunk_loop(xp, partial(_chunk_step, xp), S, operands)
     out = add_matmul(xp, add_matmul(xp, xp.matmul(queries, starts), A_qk, V), A_qb, R)
     return xp.reshape(out, (*out.shape[:-3], length, d_v)), S
+
+
+def _chunk_step(
+    xp: Any, S: Any, U: Any, W: Any, B: Any, K: Any, decay: Any | None
+) -> tuple[Any, tuple[Any, Any]]:
+    """One chunk of the sequential loop: the reads ``R = U + W S`` and the state after the
+    chunk, ``diag(exp(B)) S + K^T V + B^T R`` (``B`` the decayed ``b`` keys transposed, ``K``
+    the increment ``K^T V``, ``decay`` ``(..., w, 1)`` or None). Returns ``(S', (S, R))``."""
+    R = add_matmul(xp, U, W, S)  # PyTorch: one baddbmm, no temporary product
+    kept = S if decay is None else decay * S
+    return add_matmul(xp, kept + K, B, R), (S, R)
