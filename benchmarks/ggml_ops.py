@@ -11,7 +11,9 @@ cases for the shapes below that its list lacks are added, and a timed graph hold
 of the op (``GGML_PERF_CPU_MIB``). It then runs ``test-backend-ops perf -b CPU -o <OP>`` for
 ``GATED_DELTA_NET`` (scalar gate and KDA), ``SSM_SCAN``, ``RWKV_WKV7``, ``GATED_LINEAR_ATTN``
 and ``SSM_CONV``, once per thread count, and times polylin on the same shapes (float32, one
-sequence) on PyTorch and NumPy with the same thread count: each polylin call first checked
+sequence) on PyTorch and NumPy (and, with ``--backends``, compiled by ``torch.compile`` or
+``jax.jit``) with the same thread count (the worker process pinned to that many cores): each
+polylin call first checked
 against a float64 loop of ggml's own semantics (read from ``ggml/src/ggml-cpu/ops.cpp``), then
 timed (the mean over at least a second, as ggml's ``us/run``; the median is recorded too).
 ggml and polylin alternate by pass; the report gives polylin's time over ggml's in each pass,
@@ -454,8 +456,14 @@ def output(case: Case, result: Any) -> Any:
 
 #: The largest error allowed against the float64 reference, relative to the output's scale.
 TOLERANCE = 1e-3
-#: ``torch.compile`` is polylin's PyTorch call compiled whole (``--backends torch.compile``)
-BACKENDS = {"numpy": Backend.NUMPY, "torch": Backend.TORCH, "torch.compile": Backend.TORCH}
+#: ``torch.compile`` is polylin's PyTorch call compiled whole (``--backends torch.compile``),
+#: ``jax.jit`` its JAX call under ``jax.jit`` (the arrays traced arguments)
+BACKENDS = {
+    "numpy": Backend.NUMPY,
+    "torch": Backend.TORCH,
+    "torch.compile": Backend.TORCH,
+    "jax.jit": Backend.JAX,
+}
 
 
 def _times(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[float, float]:
@@ -492,7 +500,7 @@ def time_polylin(
     """Each case on each backend: the error against :func:`reference`, then the times.
 
     A call whose error exceeds :data:`TOLERANCE` raises: nothing unchecked is timed. On
-    ``torch.compile`` the first call's time (the compilation) is ``compile_s``. With
+    ``torch.compile`` and ``jax.jit`` the first call's time (the compilation) is ``compile_s``. With
     ``floors``, PyTorch's rows get ``floor_s`` (``benchmarks/ggml_floors.py``): prefill, the
     time of the call's matrix products (and ``products_share``, ``operations_share``);
     decoding, the bare state passes, checked like the call (none for the convolution's
@@ -504,16 +512,12 @@ def time_polylin(
         for name in backends:
             backend = BACKENDS[name]
             x = {n: backend.from_numpy(a, "float32") for n, a in inputs.items()}
-            fn = polylin_call(case, backend, x)
+            fn = _compiled(case, name, x) if name.endswith((".compile", ".jit")) else (
+                polylin_call(case, backend, x))  # fmt: skip
             extra: dict[str, Any] = {}
-            if name == "torch.compile":
-                import torch
-
-                torch._dynamo.reset()
-                fn = torch.compile(fn, dynamic=False)
             start = time.perf_counter()
             error = _checked(case, name, output(case, fn()), want, backend)
-            if name == "torch.compile":
+            if name.endswith((".compile", ".jit")):
                 extra["compile_s"] = time.perf_counter() - start
             mean, median = _times(fn, repeats, budget_s)
             if floors and name == "torch":
@@ -521,6 +525,21 @@ def time_polylin(
             rows.append({"case": case.name, "backend": name, "error": error,
                          "seconds": mean, "median_s": median, **extra})  # fmt: skip
     return rows
+
+
+def _compiled(case: Case, name: str, x: dict[str, Any]) -> Callable[[], Any]:
+    """polylin's call compiled whole: ``torch.compile`` (``dynamic=False``) or ``jax.jit`` with
+    the arrays as traced arguments (so that XLA cannot fold the inputs into constants), each
+    call waited for."""
+    if name == "torch.compile":
+        import torch
+
+        torch._dynamo.reset()
+        return torch.compile(polylin_call(case, Backend.TORCH, x), dynamic=False)
+    import jax
+
+    jitted = jax.jit(lambda arrays: polylin_call(case, Backend.JAX, arrays)())
+    return lambda: jax.block_until_ready(jitted(x))
 
 
 def _floor(
@@ -544,7 +563,11 @@ def _worker(args: argparse.Namespace) -> None:
     """Run in a fresh process whose thread variables are set: print the rows as JSON."""
     import torch
 
-    torch.set_num_threads(args.threads[0])
+    threads = args.threads[0]
+    torch.set_num_threads(threads)
+    if hasattr(os, "sched_setaffinity") and threads < len(os.sched_getaffinity(0)):
+        # XLA sizes its thread pool by the cores it may use (XLA_FLAGS set no thread count)
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
     chosen = [c for c in cases(args.quick) if args.only is None or c.op in args.only]
     rows = time_polylin(chosen, args.backends, args.repeats, args.budget, args.floors)
     print(json.dumps(rows))
@@ -660,6 +683,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for name in args.backends:
+        reason = BACKENDS[name].unavailable_reason()
+        if reason is not None:
+            parser.error(f"--backends {name}: {reason}")
     if args.worker:
         _worker(args)
         return None

@@ -184,14 +184,29 @@ def test_ggml_floor_state_passes_are_the_step(family):
     assert all(torch.equal(x[n], before[n]) for n in x)
 
 
-def test_ggml_ops_compiled_row():
-    """``torch.compile``: polylin's call compiled whole, checked, timed, its compile time kept."""
+@pytest.mark.parametrize("compiler", ["torch.compile", "jax.jit"])
+@pytest.mark.parametrize("family", ["gla", "gdn"])
+def test_ggml_ops_compiled_row(compiler, family):
+    """``torch.compile`` and ``jax.jit``: polylin's call compiled whole, checked, timed, its
+    compile time kept."""
     from benchmarks import ggml_ops
 
-    case = next(c for c in ggml_ops.cases(quick=True) if c.family == "gla")
-    (row,) = ggml_ops.time_polylin([case], ["torch.compile"], 1, 0.05)
-    assert row["backend"] == "torch.compile" and row["error"] <= ggml_ops.TOLERANCE
+    if (reason := ggml_ops.BACKENDS[compiler].unavailable_reason()) is not None:
+        pytest.skip(reason)
+    case = next(c for c in ggml_ops.cases(quick=True) if c.family == family)
+    (row,) = ggml_ops.time_polylin([case], [compiler], 1, 0.05)
+    assert row["backend"] == compiler and row["error"] <= ggml_ops.TOLERANCE
     assert row["compile_s"] > row["seconds"] > 0
+
+
+def test_ggml_ops_refuses_a_missing_backend(monkeypatch, capsys):
+    """A backend that cannot run here is refused by name before anything is built or timed."""
+    from benchmarks import ggml_ops
+
+    monkeypatch.setattr(ggml_ops.Backend, "unavailable_reason", lambda self: "not installed")
+    with pytest.raises(SystemExit):
+        ggml_ops.main(["--quick", "--skip-ggml", "--backends", "jax.jit"])
+    assert "--backends jax.jit: not installed" in capsys.readouterr().err
 
 
 def test_ggml_ops_check_refuses_a_wrong_output(monkeypatch):
