@@ -151,8 +151,9 @@ def delta_rule_attention(
         Chunk length C of the chunked form (T need not be a multiple of it); rounded up to a
         power of two. On PyTorch CUDA and CuPy at least 256 (each chunk is a sequential step of
         kernel launches there; see the page "GPU"); on one CPU thread (NumPy, PyTorch with one
-        thread) at most 32 for keys of up to 128 channels (shorter chunks save more products
-        than their extra steps cost there); the results agree to round-off whatever C.
+        thread) and under ``jax.jit`` on the CPU at most 32 for keys of up to 128 channels
+        (shorter chunks save more products than their extra steps cost there); the results
+        agree to round-off whatever C.
     initial_state : array, optional
         The state ``S`` to continue from, shape ``(..., d_k, d_v)``; one returned by either
         method, or one whose leading dimensions broadcast (a state shared by a batch or by

@@ -174,18 +174,22 @@ def test_any_chunk_size(rng, monkeypatch, chunk_size, block_rows):
         (64, 20, 64, "one CPU thread", 32),  # no longer than the sequence, a power of two
         (64, 4096, 64, "two CPU threads", 64),
         (48, 4096, 64, "two CPU threads", 64),  # rounded up to a power of two
-        (64, 4096, 64, "lazy", 64),  # JAX traced, Dask, torch.compile
+        (64, 4096, 64, "lazy", 64),  # Dask, torch.compile, JAX traced for an accelerator
+        (64, 4096, 64, "scanned", 32),  # JAX traced for the CPU: one scan over the chunks
+        (64, 4096, 256, "scanned", 64),
         (16, 4096, 64, "accelerator", 256),  # at least ACCELERATOR_CHUNK
         (512, 4096, 64, "accelerator", 512),
     ],
 )
 def test_chunk_length_follows_the_execution(asked, T, d_k, where, want):
-    """The delta rules' chunk length: shorter on one eager CPU thread (its sequential steps
-    cost less than the products they save), longer on eager accelerators, else as asked."""
+    """The delta rules' chunk length: shorter on one eager CPU thread and in a scan over the
+    chunks (their sequential steps cost less than the products they save), longer on eager
+    accelerators, else as asked."""
     execution = {
         "one CPU thread": {"accelerator": False, "eager": True, "threads": 1},
         "two CPU threads": {"accelerator": False, "eager": True, "threads": 2},
         "lazy": {"accelerator": False, "eager": False, "threads": 1},
+        "scanned": {"accelerator": False, "eager": False, "threads": 1, "scanned": True},
         "accelerator": {"accelerator": True, "eager": False, "threads": 1},
     }[where]
     assert polylin._forms.delta.chunked.chunk_length(asked, T, d_k, **execution) == want

@@ -27,10 +27,11 @@ def chunk_loop(
     """``step`` chunk after chunk from ``state``: ``(outputs, final state)``.
 
     Each operand is ``(..., n, r, c)``, the chunk axis third from last (``None``: passed as
-    ``None`` to every step); each output of ``step`` is ``(..., r', c')`` and is returned
-    stacked, ``(..., n, r', c')``. ``state`` must have the leading dimensions of every state
-    ``step`` returns (the broadcast ones). A Python loop (one ``unstack`` per operand, one
-    ``stack`` per output), or one scan where :func:`~polylin._backend.execution.scans_chunks`.
+    ``None`` to every step; at least one is an array); each output of ``step`` is
+    ``(..., r', c')`` and is returned stacked, ``(..., n, r', c')``. ``state`` must have the
+    leading dimensions of every state ``step`` returns (the broadcast ones). A Python loop
+    (one ``unstack`` per operand, one ``stack`` per output), or one scan where
+    :func:`~polylin._backend.execution.scans_chunks`.
     """
     given = [x for x in operands if x is not None]
     where = [x is not None for x in operands]
@@ -47,10 +48,8 @@ def chunk_loop(
         xs = tuple(xp.moveaxis(x, -3, 0) for x in given)
         state, stacked = scan(one, state, xs)
         return tuple(xp.moveaxis(y, 0, -3) for y in stacked), state
-    count = given[0].shape[-3]
-    per_chunk = list(zip(*(unstack(xp, x, axis=-3) for x in given))) or [()] * count
     results: list[tuple[Any, ...]] = []
-    for pieces in per_chunk:
+    for pieces in zip(*(unstack(xp, x, axis=-3) for x in given)):
         state, outputs = step(state, *fill(pieces))
         results.append(outputs)
     return tuple(xp.stack(list(ys), axis=-3) for ys in zip(*results)), state
