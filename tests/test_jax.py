@@ -314,13 +314,20 @@ def test_jitted_chunked_forward_is_a_scan_on_the_cpu(jb, jax, rng):
     assert not execution.scans_tokens(np, np.zeros(1))
 
 
+@pytest.mark.parametrize("block_rows", [4096, 16])
 @pytest.mark.parametrize("rule", ["delta", "generalized"])
-def test_jitted_delta_rules_scan_their_chunks_on_the_cpu(jb, jax, rule, rng):
+def test_jitted_delta_rules_scan_their_chunks_on_the_cpu(jb, jax, rule, block_rows, rng,
+                                                         monkeypatch):  # fmt: skip
     """Under ``jit`` on the CPU the delta rules' loop over chunks is one scan
-    (``_backend.execution.scans_chunks``): the traced program has the same operations at
-    T = 32 as at T = 128, and the results equal the eager Python loop's."""
+    (``_backend.execution.scans_chunks``), and so is their loop over blocks of chunks (16 rows
+    a block: a chunk each): the traced program has the same operations at T = 32 as at
+    T = 128, and the results equal the eager call's (one block, a Python loop)."""
+    import polylin._forms.delta.chunked
     from polylin import delta_rule_attention, dplr_delta_rule
     from polylin._backend import execution
+
+    monkeypatch.setattr(polylin._forms.delta.chunked, "BLOCK_ROWS", block_rows)
+    monkeypatch.setattr(polylin._forms.dplr.chunked, "BLOCK_ROWS", block_rows)
 
     def program(t):
         q, k, v = (jb.from_numpy(a) for a in _qkv(rng, lead=(2,), t=t))
@@ -341,7 +348,10 @@ def test_jitted_delta_rules_scan_their_chunks_on_the_cpu(jb, jax, rule, rng):
     call, args, short = program(32)
     _, _, long = program(128)
     assert (len(short.eqns) == len(long.eqns)) == on_cpu
-    assert any(e.primitive.name == "scan" for e in long.eqns) == on_cpu
+    scans = [e for e in long.eqns if e.primitive.name == "scan"]
+    assert bool(scans) == on_cpu
+    nested = any(i.primitive.name == "scan" for e in scans for i in e.params["jaxpr"].jaxpr.eqns)
+    assert nested == (on_cpu and block_rows == 16)  # blocks: a scan over scans over chunks
     np.testing.assert_allclose(
         jb.to_numpy(jax.jit(call)(*args)), jb.to_numpy(call(*args)), rtol=0, atol=1e-12
     )

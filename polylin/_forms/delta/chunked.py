@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from ..._backend.execution import cpu_threads, eager_accelerator, eager_cpu, scans_chunks
+from ..._backend.execution import cpu_threads, eager_accelerator, eager_cpu, scan, scans_chunks
 from ..._backend.namespace import device
 from ..._backend.ops import (
     add_matmul,
@@ -147,8 +147,10 @@ def delta_chunked(
     :func:`polylin._forms.common.intra_chunk.intra_chunk` halve it; :func:`chunk_length`); zero
     padding changes no result. On eager CPU backends the chunks are processed in blocks of about
     :data:`BLOCK_ROWS` rows per thread, on one thread in chunks of at most
-    :data:`ONE_THREAD_CHUNK` tokens (keys of up to :data:`ONE_THREAD_KEYS` channels); lazy and
-    accelerator backends get one block, and eager accelerators chunks of at least
+    :data:`ONE_THREAD_CHUNK` tokens (keys of up to :data:`ONE_THREAD_KEYS` channels); where the
+    loop over chunks is a scan (``_backend.execution.scans_chunks``) so is the loop over blocks
+    of :data:`BLOCK_ROWS` rows (the last one padded); other lazy and accelerator backends get
+    one block, and eager accelerators chunks of at least
     :data:`ACCELERATOR_CHUNK` tokens and dense inputs. Blocks come from one reshape and one
     ``unstack`` per input (autograd sees no per-block slice); each array keeps its own leading
     dimensions (grouped heads broadcast, nothing is copied per group).
@@ -165,13 +167,14 @@ def delta_chunked(
     accelerator = eager_accelerator(xp, device(k))
     eager = eager_cpu(xp, device(k))
     threads = cpu_threads(xp) if eager else 1
+    scanned = scans_chunks(xp, k)
     chunk = chunk_length(
         chunk_size, T, k.shape[-1], accelerator=accelerator, eager=eager, threads=threads,
-        scanned=scans_chunks(xp, k),
+        scanned=scanned,
     )  # fmt: skip
     n_chunks = -(-T // chunk)
     per_block = n_chunks
-    if eager:
+    if eager or scanned:
         rows = BLOCK_ROWS * threads
         per_block = max(1, rows // (chunk * max(1, math.prod(S.shape[:-2]))))
     n_blocks = -(-n_chunks // per_block)
@@ -183,7 +186,27 @@ def delta_chunked(
     arrays = [
         xp.reshape(x, (*x.shape[:-2], n_blocks, per_block, chunk, x.shape[-1])) for x in arrays
     ]
+    causal = causal_mask(xp, chunk, chunk, device(k))
+
+    def block_outputs(S: Any, block: Sequence[Any], in_loop: bool) -> tuple[Any, list[Any]]:
+        Q, K, *rest = block
+        if qk_l2norm:
+            Q, K = l2_normalize(xp, Q), l2_normalize(xp, K)
+        if scale != 1.0:
+            Q = Q * scale
+        outputs, S = _block(xp, Q, K, *rest, S=S, causal=causal, in_loop=in_loop)
+        return S, outputs
+
     blocks: list[Sequence[Any]]
+    if scanned and n_blocks > 1:  # one scan over the blocks, each its own scan over chunks
+
+        def one(S: Any, block: tuple[Any, ...]) -> tuple[Any, Any]:
+            S, (out,) = block_outputs(S, block, False)
+            return S, out
+
+        S, out = scan(one, S, tuple(xp.moveaxis(x, -4, 0) for x in arrays))
+        out = xp.reshape(xp.moveaxis(out, 0, -4), (*out.shape[1:-3], padded, out.shape[-1]))
+        return (out if padded == T else out[..., :T, :]), S
     if n_blocks == 1:
         # On an accelerator a strided input (fla's (B, T, H, d) read as (B, H, T, d)) would
         # make every array derived from it strided, and each batched matmul of the chunk loop
@@ -201,15 +224,9 @@ def delta_chunked(
             [x if new else dense(xp, x) for x, new in zip(block[:2], rewritten)] + list(block[2:])
             for block in blocks
         ]
-    causal = causal_mask(xp, chunk, chunk, device(k))
     pieces: list[Any] = []  # (..., chunks, C, d_v) each: all joined by one concatenation
     for block in blocks:
-        Q, K, *rest = block
-        if qk_l2norm:
-            Q, K = l2_normalize(xp, Q), l2_normalize(xp, K)
-        if scale != 1.0:
-            Q = Q * scale
-        outputs, S = _block(xp, Q, K, *rest, S=S, causal=causal, in_loop=eager and threads == 1)
+        S, outputs = block_outputs(S, block, eager and threads == 1)
         pieces.extend(outputs)
     out = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-3)
     out = xp.reshape(out, (*out.shape[:-3], padded, out.shape[-1]))

@@ -32,7 +32,7 @@ import math
 from functools import partial
 from typing import Any
 
-from ..._backend.execution import cpu_threads, eager_cpu
+from ..._backend.execution import cpu_threads, eager_cpu, scan, scans_chunks
 from ..._backend.namespace import device
 from ..._backend.ops import add_matmul, pad_rows, split_rows, unit_lower_solver
 from ..common.intra_chunk import READ_SCORES, READ_SOLVE, SCORES, intra_chunk
@@ -80,8 +80,10 @@ def dplr_chunked(
     inner products and the inverse of ``I - L``; then ``R = U + W S`` and the state update per
     chunk, two small matmuls each in the sequential loop over chunks. On eager CPU backends the
     chunks are processed in blocks of about :data:`BLOCK_ROWS` rows per thread, cut by one
-    reshape and one ``unstack`` per input (:func:`polylin._backend.ops.split_rows`); lazy and
-    accelerator backends get one block. ``scale`` multiplies each block's queries (one pass
+    reshape and one ``unstack`` per input (:func:`polylin._backend.ops.split_rows`); where the
+    loop over chunks is a scan (``_backend.execution.scans_chunks``) one scan runs over equal
+    blocks of :data:`BLOCK_ROWS` rows (the last one padded); other lazy and accelerator backends
+    get one block. ``scale`` multiplies each block's queries (one pass
     over a block in cache, not a scaled copy of the whole sequence).
     """
     T = k.shape[-2]
@@ -96,10 +98,28 @@ def dplr_chunked(
     if padded != T:  # zero k, v, a, b write nothing, zero g keeps the state; outputs dropped
         arrays = [pad_rows(xp, x, padded - T) for x in arrays]
     block = padded
-    if eager:
+    scanned = scans_chunks(xp, k)
+    if eager or scanned:
         rows = math.prod(S.shape[:-2])
-        per_block = BLOCK_ROWS * cpu_threads(xp)
+        per_block = BLOCK_ROWS * (cpu_threads(xp) if eager else 1)
         block = min(padded, chunk * max(1, per_block // (chunk * max(1, rows))))
+    if scanned and block < padded:  # one scan over equal blocks (the last one padded)
+        n_blocks = -(-padded // block)
+        arrays = [pad_rows(xp, x, n_blocks * block - padded) for x in arrays]
+        blocks = tuple(
+            xp.moveaxis(xp.reshape(x, (*x.shape[:-2], n_blocks, block, x.shape[-1])), -3, 0)
+            for x in arrays
+        )
+
+        def one(S: Any, pieces: tuple[Any, ...]) -> tuple[Any, Any]:
+            q_b, *rest = pieces
+            out, S = _chunks(xp, q_b if scale == 1.0 else q_b * scale, *rest, S=S, chunk=chunk)
+            return S, out
+
+        S, out = scan(one, S, blocks)
+        out = xp.moveaxis(out, 0, -3)
+        out = xp.reshape(out, (*out.shape[:-3], n_blocks * block, out.shape[-1]))
+        return out[..., :T, :], S
     outputs = []
     for q_b, *pieces in zip(*(split_rows(xp, x, block, padded) for x in arrays)):
         out, S = _chunks(xp, q_b if scale == 1.0 else q_b * scale, *pieces, S=S, chunk=chunk)
