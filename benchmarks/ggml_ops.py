@@ -561,13 +561,14 @@ def _floor(
 
 def _worker(args: argparse.Namespace) -> None:
     """Run in a fresh process whose thread variables are set: print the rows as JSON."""
+    threads = args.threads[0]
+    if hasattr(os, "sched_setaffinity") and threads < len(os.sched_getaffinity(0)):
+        # Before any library starts a thread (a thread keeps the cores it was started with):
+        # XLA sizes its thread pool by the cores it may use (XLA_FLAGS set no thread count).
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
     import torch
 
-    threads = args.threads[0]
     torch.set_num_threads(threads)
-    if hasattr(os, "sched_setaffinity") and threads < len(os.sched_getaffinity(0)):
-        # XLA sizes its thread pool by the cores it may use (XLA_FLAGS set no thread count)
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
     chosen = [c for c in cases(args.quick) if args.only is None or c.op in args.only]
     rows = time_polylin(chosen, args.backends, args.repeats, args.budget, args.floors)
     print(json.dumps(rows))
@@ -683,13 +684,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:  # checked by the parent; pinned before any library starts its threads
+        _worker(args)
+        return None
     for name in args.backends:
         reason = BACKENDS[name].unavailable_reason()
         if reason is not None:
             parser.error(f"--backends {name}: {reason}")
-    if args.worker:
-        _worker(args)
-        return None
     binary = None if args.skip_ggml else build_ggml(args.cache)
     if args.build_only:
         print(binary if binary is not None else "ggml not built")
