@@ -37,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -198,11 +199,21 @@ def _params(text: str) -> dict[str, str]:
     return out
 
 
+def pin(threads: int) -> None:
+    """This process on the first ``threads`` of the cores it may use (where it may use more):
+    ggml's and polylin's runs of one thread count share the same cores (the cores of a
+    virtual machine differ in speed by up to 2x from one minute to the next), and XLA sizes its
+    thread pool by the cores allowed (``XLA_FLAGS`` set no thread count)."""
+    if hasattr(os, "sched_setaffinity") and threads < len(os.sched_getaffinity(0)):
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+
+
 def run_ggml(binary: Path, threads: int) -> list[dict[str, Any]]:
     """One perf run of the five ops on ``threads`` threads (each case runs for >= 1 s)."""
     env = dict(os.environ, GGML_PERF_THREADS=str(threads), **PERF_ENV)
     done = subprocess.run([str(binary), "perf", "-b", "CPU", "-o", ",".join(OPS)],
-                          env=env, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True,
+                          preexec_fn=partial(pin, threads))  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"test-backend-ops failed:\n{(done.stdout + done.stderr)[-3000:]}")
     return parse_perf(done.stdout)
@@ -562,10 +573,7 @@ def _floor(
 def _worker(args: argparse.Namespace) -> None:
     """Run in a fresh process whose thread variables are set: print the rows as JSON."""
     threads = args.threads[0]
-    if hasattr(os, "sched_setaffinity") and threads < len(os.sched_getaffinity(0)):
-        # Before any library starts a thread (a thread keeps the cores it was started with):
-        # XLA sizes its thread pool by the cores it may use (XLA_FLAGS set no thread count).
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+    pin(threads)  # before any library starts a thread: a thread keeps the cores it started on
     import torch
 
     torch.set_num_threads(threads)

@@ -209,6 +209,20 @@ def test_ggml_ops_refuses_a_missing_backend(monkeypatch, capsys):
     assert "--backends jax.jit: not installed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("threads", "want"), [(1, [[3]]), (2, [[3, 5]]), (3, [])])
+def test_ggml_ops_pins_each_side_to_the_same_cores(monkeypatch, threads, want):
+    """ggml's process and polylin's worker of one thread count run on the first cores allowed
+    (none pinned where it would use them all)."""
+    from benchmarks import ggml_ops
+
+    calls = []
+    monkeypatch.setattr(ggml_ops.os, "sched_getaffinity", lambda pid: {7, 5, 3}, raising=False)
+    monkeypatch.setattr(ggml_ops.os, "sched_setaffinity", lambda pid, cores: calls.append(cores),
+                        raising=False)  # fmt: skip
+    ggml_ops.pin(threads)
+    assert calls == want
+
+
 def test_ggml_ops_check_refuses_a_wrong_output(monkeypatch):
     from benchmarks import ggml_ops
 
