@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from . import torch_autograd
 from .execution import compiling
 from .namespace import (
     JAX_NAMESPACES,
@@ -112,16 +113,14 @@ def native_elu_plus_one(x: Any) -> Any | None:
     """``elu(x) + 1`` by the library's own autograd registration, or ``None`` where it has none.
 
     PyTorch's autograd would keep the ``exp`` output of the array-API form for the backward (an
-    array the size of ``x``); :mod:`polylin._backend.torch_autograd` keeps only ``x``. Imported
-    only for a tensor, that is once torch is. Not while ``torch.compile`` traces: its compiler
+    array the size of ``x``); :mod:`polylin._backend.torch_autograd` keeps only ``x``. Only for
+    a tensor, that is once torch is imported. Not while ``torch.compile`` traces: its compiler
     chooses what to keep for the backward itself (and Dynamo cannot trace a custom forward-mode
     rule).
     """
     if torch_namespace_of(x) is None or compiling(x):
         return None
-    from .torch_autograd import elu_plus_one
-
-    return elu_plus_one(x)
+    return torch_autograd.elu_plus_one(x)
 
 
 def keep_lower(xp: Any, x: Any, mask: Any, *, strict: bool = False) -> Any:
