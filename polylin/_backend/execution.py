@@ -18,6 +18,7 @@ import array_api_compat
 from .namespace import (
     DASK_NAMESPACES,
     JAX_NAMESPACES,
+    device,
     is_tracer,
     library_name,
     loaded_torch,
@@ -28,6 +29,7 @@ from .namespace import (
 __all__ = [
     "blas_threaded_qr",
     "cacheable",
+    "chains_decay",
     "check_static",
     "compiled",
     "compiling",
@@ -62,6 +64,21 @@ def eager_cpu(xp: Any, dev: Any) -> bool:
     # Under torch.compile the whole call becomes one graph that the compiler fuses and
     # schedules: blocks would only unroll into a graph that grows with T.
     return not torch_module().compiler.is_compiling()
+
+
+def chains_decay(x: Any) -> bool:
+    """Whether a decayed prefix over the chunk axis (``S_{n+1} = decay_n * S_n + U_n``) is a
+    chain, one fused multiply-add per chunk, where it would otherwise be a scan of logarithmic
+    depth: ``torch.compile`` tracing for the CPU (eager CPU backends chain their blocks' few
+    chunks anyway).
+
+    Inductor fuses the scan's levels, each of which reads the last one twice, into loops that
+    compute the earlier levels again for every reader: the compiled scan took 2.2-3.8x the eager
+    call's time on Mamba-2's shapes at T = 512 and 2048, the compiled chain 1.2-1.6x
+    (``docs/performance.md``, "Against llama.cpp's ggml kernels"). Lazy libraries and
+    accelerators keep the scan.
+    """
+    return compiling(x) and str(device(x)) == "cpu"
 
 
 def eager_accelerator(xp: Any, dev: Any) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..._backend.execution import scan, scans_chunks
+from ..._backend.execution import chains_decay, scan, scans_chunks
 from ..._backend.namespace import device
 from ..._backend.ops import add_scaled, concat_leading, cumulative_sum, unstack
 
@@ -63,12 +63,13 @@ def chunk_prefix(
     ``increments`` is ``(..., n, d_phi, d_v + 1)``, ``decay`` ``(..., n, 1 or d_phi, 1)`` or
     None (no decay). ``chained``: a Python chain over the chunks, one ``unstack`` in and one
     ``stack`` out (a block holds few chunks; one chunk's start is a view of ``state``), each
-    link one :func:`~polylin._backend.ops.add_scaled` (PyTorch: one ``addcmul``). Otherwise
-    one ``cumulative_sum`` without decay, and with decay a scan of logarithmic depth over the
-    chunk axis (Hillis-Steele on the pairs ``(decay, increment)``; every product of decays is
-    <= 1).
+    link one :func:`~polylin._backend.ops.add_scaled` (PyTorch: one ``addcmul``); a decay is
+    also chained where :func:`~polylin._backend.execution.chains_decay` (``torch.compile`` for
+    the CPU). Otherwise one ``cumulative_sum`` without decay, and with decay a scan of
+    logarithmic depth over the chunk axis (Hillis-Steele on the pairs ``(decay, increment)``;
+    every product of decays is <= 1).
     """
-    if chained:
+    if chained or (decay is not None and chains_decay(state)):
         running = [state]
         decays = [None] * increments.shape[-3] if decay is None else unstack(xp, decay, axis=-3)
         for increment, factor in zip(unstack(xp, increments, axis=-3), decays):
