@@ -319,6 +319,27 @@ def test_compiled_decay_chains_its_chunks(torch, width: int) -> None:
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_compiled_mlstm_chains_its_chunks(torch) -> None:
+    """The mLSTM's matrix memory and normalizer cross chunks by the same chain when compiled
+    for the CPU (Inductor, the default backend): one multiply-add per chunk each, and the eager
+    output."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm.graph)
+        return torch._inductor.compile(gm, example_inputs)
+
+    compiled = torch.compile(polylin.mlstm, fullgraph=True, backend=record, dynamic=False)
+    q, k, v = (x.detach() for x in _inputs(torch, T=64))
+    gen = torch.Generator().manual_seed(2)
+    i_gate, f_gate = (torch.randn(2, 3, 64, 1, generator=gen) for _ in range(2))
+    out = compiled(q, k, v, i_gate, f_gate, chunk_size=16)
+    (graph,) = graphs
+    assert sum(n.target is torch.addcmul for n in graph.nodes) == 2 * 4
+    ref = polylin.mlstm(q, k, v, i_gate, f_gate, chunk_size=16)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-5)
+
+
 def test_inductor_compiles_and_matches_eager(torch) -> None:
     """The default backend (Inductor, generated C++ on the CPU) gives the eager output."""
     compiled = torch.compile(polylin.causal_linear_attention, fullgraph=True)
