@@ -358,6 +358,32 @@ def test_jitted_delta_rules_scan_their_chunks_on_the_cpu(jb, jax, rule, block_ro
     assert not execution.scans_chunks(jax.numpy, args[0])  # a concrete array: eager
 
 
+@pytest.mark.parametrize("width", [1, D_K])
+def test_jitted_decayed_prefix_scans_its_chunks_on_the_cpu(jb, jax, width, rng):
+    """Under ``jit`` on the CPU a decayed chunked form's states cross the chunks in one scan
+    (``chunk_prefix``), not a scan of logarithmic depth whose program grows with the number of
+    chunks: the traced gradient has the same operations at T = 32 as at T = 128, and equals
+    the eager gradient."""
+
+    def program(t):
+        q, k, v = (jb.from_numpy(a) for a in _qkv(rng, lead=(2,), t=t))
+        g = jb.from_numpy(-rng.uniform(0.0, 0.5, (2, t, width)))
+
+        def loss(q, k, v, g):
+            out = causal_linear_attention(q, k, v, log_decay=g, chunk_size=CHUNK)
+            return jax.numpy.sum(out * out)
+
+        grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+        return grad, (q, k, v, g), jax.make_jaxpr(grad)(q, k, v, g).jaxpr
+
+    on_cpu = jax.default_backend() == "cpu"
+    grad, args, short = program(32)
+    _, _, long = program(128)
+    assert (len(short.eqns) == len(long.eqns)) == on_cpu
+    for got, want in zip(jax.jit(grad)(*args), grad(*args)):
+        np.testing.assert_allclose(jb.to_numpy(got), jb.to_numpy(want), rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
 def test_scanned_forward_derivatives(jb, jax, gate, rng):
     """The scanned forward's values, reverse-mode gradients (every input and the initial state)

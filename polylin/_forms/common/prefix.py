@@ -65,10 +65,20 @@ def chunk_prefix(
     ``stack`` out (a block holds few chunks; one chunk's start is a view of ``state``), each
     link one :func:`~polylin._backend.ops.add_scaled` (PyTorch: one ``addcmul``); a decay is
     also chained where :func:`~polylin._backend.execution.chains_decay` (``torch.compile`` for
-    the CPU). Otherwise one ``cumulative_sum`` without decay, and with decay a scan of
+    the CPU), and is one ``lax.scan`` of that link where
+    :func:`~polylin._backend.execution.scans_chunks` (``jax.jit`` for the CPU: the GLA
+    gradient at 32 heads x 64, T = 2048 / 8192 in 0.85x / 0.80x the time of the scan below, and
+    a shorter compile). Otherwise one ``cumulative_sum`` without decay, and with decay a scan of
     logarithmic depth over the chunk axis (Hillis-Steele on the pairs ``(decay, increment)``;
     every product of decays is <= 1).
     """
+    if decay is not None and not chained and scans_chunks(xp, state):
+
+        def link(S: Any, increment: Any, factor: Any) -> tuple[Any, tuple[Any]]:
+            return add_scaled(xp, increment, factor, S), (S,)
+
+        (before,), new_state = chunk_loop(xp, link, state, [increments, decay])
+        return before, new_state
     if chained or (decay is not None and chains_decay(state)):
         running = [state]
         decays = [None] * increments.shape[-3] if decay is None else unstack(xp, decay, axis=-3)

@@ -46,9 +46,9 @@ blocks of about :data:`BLOCK_BYTES` of features and values: the feature map, the
 states and the scores of one block stay in cache, and the state is carried from
 block to block by a short chain of additions. Lazy and accelerator backends (Dask, JAX, CuPy,
 PyTorch CUDA) get one block, a ``cumulative_sum`` over the chunk axis without decay and a
-logarithmic-depth scan with decay: they prefer few large operations. ``torch.compile`` for the
-CPU gets one block too, its decayed states chained
-(:func:`~polylin._forms.common.prefix.chunk_prefix`).
+logarithmic-depth scan with decay: they prefer few large operations. ``torch.compile`` and
+``jax.jit`` for the CPU get one block too, its decayed states chained (under ``jit`` by one
+``lax.scan``: :func:`~polylin._forms.common.prefix.chunk_prefix`).
 """
 
 from __future__ import annotations
