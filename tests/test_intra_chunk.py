@@ -2,9 +2,11 @@
 
 ``intra_chunk`` with a list of key sets (the generalized rule's ``k`` and ``b``) must give what
 one call per key set gives, and both must match a float64 sum of decayed products written out
-term by term (a ``-inf`` gate an exact zero). The per-channel gates' chunk caps on eager CPU
-backends (``channel_chunk``) must keep the chunked forms equal to the per-token loop at a
-chunk size above the cap, at strong gates and through a reset.
+term by term (a ``-inf`` gate an exact zero), whether a per-channel gate is built level by
+level or, bounded, factored over the chunk; the factored form must be taken exactly where it
+applies. The per-channel gates' chunk caps on eager CPU backends (``channel_chunk``) must keep
+the chunked forms equal to the per-token loop at a chunk size above the cap, at strong gates
+and through a reset.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import numpy as np
 import pytest
 
 from polylin import causal_linear_attention, dplr_delta_rule
+from polylin._forms.common import intra_chunk as intra_chunk_module
 from polylin._forms.common.intra_chunk import (
+    FACTORED_SPAN,
     READ_SCORES,
     READ_SOLVE,
     SCORES,
@@ -50,12 +54,14 @@ def _inputs(rng, gate):
     if gate == "none":
         return Q, A, K, B, None
     width = 1 if gate == "scalar" else D
+    if gate == "bounded":  # a chunk log decay of at most 8 * 1.5 = 12 <= FACTORED_SPAN
+        return Q, A, K, B, -rng.uniform(0.0, 1.5, (2, CHUNK, width))
     G = -rng.uniform(0.0, 3.0, (2, CHUNK, width))
     G[0, 3, 0] = -np.inf  # an exact reset of the first channel (or the token) at t = 3
     return Q, A, K, B, G
 
 
-@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel", "bounded"])
 def test_several_key_sets_equal_one_call_per_set_and_the_sums(rng, gate):
     xp = needs(Backend.NUMPY)
     Q, A, K, B, G = _inputs(rng, gate)
@@ -78,6 +84,75 @@ def test_several_key_sets_equal_one_call_per_set_and_the_sums(rng, gate):
     N = _decayed(A, B, g, read=True)
     eye = np.broadcast_to(np.eye(CHUNK), N.shape)
     np.testing.assert_allclose(inverse @ (eye - N), eye, atol=1e-12)
+
+
+def _factored(xp, K, G, Q):
+    """What the factored form gives for :func:`intra_chunk`'s rows ``[(Q, SCORES)]``, or None."""
+    return intra_chunk_module._factored(xp, [K], G, [(Q, SCORES)], [[SCORES]], [False])
+
+
+def test_a_bounded_channel_gate_factors_and_equals_the_levels(rng, monkeypatch):
+    xp = needs(Backend.NUMPY)
+    Q, A, K, B, G = _inputs(rng, "bounded")
+    assert _factored(xp, K, G, Q) is not None
+    rows = [(Q, (SCORES, SCORES)), (A, (READ_SCORES, READ_SOLVE))]
+    factored = intra_chunk(xp, [K, B], G, rows)
+    monkeypatch.setattr(intra_chunk_module, "FACTORED_SPAN", -1.0)  # the levels
+    assert _factored(xp, K, G, Q) is None
+    levels = intra_chunk(xp, [K, B], G, rows)
+    pairs = [*zip(factored.keys, levels.keys), *zip(factored.rows, levels.rows),
+             (factored.whole, levels.whole)]  # fmt: skip
+    pairs += [*zip(factored.matrices[0], levels.matrices[0])]
+    pairs += [*zip(factored.matrices[1], levels.matrices[1])]
+    for got, want in pairs:
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_the_factored_scores_keep_float32_precision(rng, monkeypatch):
+    """At a chunk log decay just below the bound (every factor up to exp(+-8)), float32's
+    factored scores are as close to the float64 sums as the levels' (their rounding 1-2 ulps
+    of the largest entry), on a chunk of 64."""
+    xp = needs(Backend.NUMPY)
+    Q, K = (rng.standard_normal((4, 64, 16)) for _ in range(2))
+    G = -rng.uniform(0.0, 1.0, (4, 64, 16))
+    G[..., 1::2] /= 3.0
+    G *= 0.99 * FACTORED_SPAN / np.max(-np.sum(G, axis=-2))
+    want = _decayed(Q, K, G, read=False)
+    f32 = [x.astype(np.float32) for x in (Q, K, G)]
+    assert _factored(xp, f32[1], f32[2], f32[0]) is not None
+    factored = intra_chunk(xp, f32[1], f32[2], [(f32[0], SCORES)]).matrices[0]
+    monkeypatch.setattr(intra_chunk_module, "FACTORED_SPAN", -1.0)
+    levels = intra_chunk(xp, f32[1], f32[2], [(f32[0], SCORES)]).matrices[0]
+    scale = np.max(np.abs(want))
+    error = np.max(np.abs(factored - want)) / scale
+    assert error <= 2 * max(np.max(np.abs(levels - want)) / scale, 2 ** -23)
+
+
+@pytest.mark.parametrize("gate", ["beyond", "-inf", "nan", "float16"])
+def test_the_levels_take_what_does_not_factor(rng, gate):
+    xp = needs(Backend.NUMPY)
+    Q, _, K, _, G = _inputs(rng, "bounded")
+    if gate == "beyond":  # one channel of one chunk decays by more than the bound
+        G[1, :, 2] = -(FACTORED_SPAN + 0.1) / CHUNK
+    elif gate in ("-inf", "nan"):
+        G[0, 5, 1] = -np.inf if gate == "-inf" else np.nan
+    else:
+        Q, K, G = (x.astype(np.float16) for x in (Q, K, G))
+    assert _factored(xp, K, G, Q) is None
+
+
+def test_only_eager_cpu_backends_read_the_gate(rng):
+    """Dask would compute its graph to read a value: it keeps the levels, and its scores equal
+    NumPy's factored ones."""
+    needs(Backend.DASK)
+    dask = Backend.DASK.namespace()
+    xp = needs(Backend.NUMPY)
+    Q, _, K, _, G = _inputs(rng, "bounded")
+    lazy = [Backend.DASK.from_numpy(x) for x in (K, G, Q)]
+    assert _factored(dask, *lazy) is None
+    got = intra_chunk(dask, lazy[0], lazy[1], [(lazy[2], SCORES)]).matrices[0]
+    want = intra_chunk(xp, K, G, [(Q, SCORES)]).matrices[0]
+    np.testing.assert_allclose(Backend.DASK.to_numpy(got), want, rtol=1e-12, atol=1e-14)
 
 
 def test_one_key_set_keeps_its_shape_of_result(rng):

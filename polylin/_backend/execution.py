@@ -39,6 +39,7 @@ __all__ = [
     "eager_cpu",
     "materialized",
     "outside_graph",
+    "reads_values",
     "rows_in_whole_chunks",
     "scan",
     "scans_chunks",
@@ -64,6 +65,17 @@ def eager_cpu(xp: Any, dev: Any) -> bool:
     # Under torch.compile the whole call becomes one graph that the compiler fuses and
     # schedules: blocks would only unroll into a graph that grows with T.
     return not torch_module().compiler.is_compiling()
+
+
+def reads_values(xp: Any, x: Any) -> bool:
+    """Whether a computation on ``x`` may branch on its values (read one Python number).
+
+    Eager CPU backends (:func:`eager_cpu`), where the read costs a reduction and nothing more.
+    Not where ``x`` has no values yet (JAX tracing, ``torch.compile``), where a read would
+    compute a lazy graph twice (Dask), nor on accelerators, where it would make the host wait
+    for the device (unmeasured there).
+    """
+    return eager_cpu(xp, device(x))
 
 
 def chains_decay(x: Any) -> bool:

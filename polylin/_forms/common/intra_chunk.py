@@ -39,6 +39,17 @@ the rows are decayed once per level for all of them, each key set on its own.
 
 A scalar gate factors its scores over the chunk: ``(R K^T) * exp(segment sums)``
 (:func:`scalar_gate_scores`), one full matmul and no levels.
+
+Where a per-channel gate decays no channel of a chunk by more than ``FACTORED_SPAN`` (its
+chunk log decay ``-B <= 40``: every gate of RWKV-7's range at chunks of 64, and the usual GLA
+and KDA gates), it factors too, through the middle of its range: ``M = (R exp(b - B/2))
+(K exp(B/2 - b))^T`` masked, every factor within ``exp(+-20)`` (no overflow; an entry above the
+diagonal at most ``exp(40)`` times ``r . k``, never kept). One matmul per row set and key set
+replaces the levels' three elementwise passes per level, and the exponents' rounding (at most
+``20`` units of ``b``'s last place per factor) stays below the levels' product of up to C
+per-token factors. Only eager CPU backends read the gate's values to choose
+(:func:`~polylin._backend.execution.reads_values`); a larger decay, a ``-inf`` or ``nan``, a
+half-precision gate and every traced or lazy call take the levels.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ..._backend.execution import splits_chunks_on_concat
+from ..._backend.execution import reads_values, splits_chunks_on_concat
 from ..._backend.namespace import device
 from ..._backend.ops import (
     broadcast_shape,
@@ -60,6 +71,7 @@ from ..._backend.ops import (
 )
 
 __all__ = [
+    "FACTORED_SPAN",
     "IntraChunk",
     "intra_chunk",
     "merge_inverse",
@@ -74,6 +86,10 @@ __all__ = [
 SCORES, SOLVE = "scores", "solve"
 READ_SCORES, READ_SOLVE = "read scores", "read solve"
 _READS = (READ_SCORES, READ_SOLVE)
+
+#: The largest chunk log decay ``-B`` (per channel) whose scores :func:`intra_chunk` factors
+#: through the middle of the range instead of building them level by level (module docstring).
+FACTORED_SPAN = 16.0
 
 
 class IntraChunk(NamedTuple):
@@ -210,6 +226,12 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]])
     key_sets = list(K) if several else [K]
     kinds = [list(kind) if several else [kind] for _, kind in rows]  # per row set, per key set
     reads = [row_kinds[0] in _READS for row_kinds in kinds]
+    factored = _factored(xp, key_sets, G, rows, kinds, reads)
+    if factored is not None:
+        matrices_f, decayed_f, keys_f, whole_f = factored
+        if several:
+            return IntraChunk(matrices_f, decayed_f, keys_f, whole_f)
+        return IntraChunk([M for (M,) in matrices_f], decayed_f, keys_f[0], whole_f)
     chunk = key_sets[0].shape[-2]
     decayed = [R for R, _ in rows]  # r_t decayed from the start of its stretch to t
     keys = key_sets  # k_s decayed from s (exclusive) to the end of its stretch
@@ -298,6 +320,50 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]])
     if several:
         return IntraChunk(matrices, decayed, keys, whole)
     return IntraChunk([M for (M,) in matrices], decayed, keys[0], whole)
+
+
+def _factored(
+    xp: Any, key_sets: list[Any], G: Any | None, rows: Sequence[tuple[Any, Any]],
+    kinds: list[list[str]], reads: list[bool],
+) -> tuple[list[list[Any]], list[Any], list[Any], Any] | None:
+    """:func:`intra_chunk`'s matrices, rows, keys and whole-chunk decay for a per-channel gate
+    factored over the chunk through its middle token; ``None`` where that does not apply
+    (module docstring): no gate or a scalar one, a precision other than float32 and float64,
+    a backend that does not read values, a chunk log decay beyond :data:`FACTORED_SPAN`."""
+    if (G is None or G.shape[-1] == 1 or G.dtype not in (xp.float32, xp.float64)
+            or not reads_values(xp, G)):  # fmt: skip
+        return None
+    middle = G.shape[-2] // 2  # m + 1: tokens up to the middle token m, then after it
+    # e_t = sum_{m<r<=t} g_r after m, -sum_{t<r<=m} g_r before it: each a running sum of its
+    # own terms outward from m. ``outward`` holds e_{t-1} for t = 0..C (e_{-1}: the first
+    # half's whole decay, negated).
+    first = xp.flip(cumulative_sum(xp, xp.flip(G[..., :middle, :], axis=-2), axis=-2), axis=-2)
+    second = cumulative_sum(xp, G[..., middle:, :], axis=-2)
+    first_half, second_half = first[..., :1, :], second[..., -1:, :]
+    if not bool(xp.max(-(first_half + second_half)) <= FACTORED_SPAN):  # False for a nan
+        return None
+    zero = xp.zeros_like(first_half)
+    outward = concat_leading(xp, [-first, zero, second], axis=-2)
+    grows, shrinks = xp.exp(outward), xp.exp(-outward[..., 1:, :])  # exp(e), exp(-e)
+    to_start, to_end = xp.exp(first_half), xp.exp(second_half)  # exp(b_m), exp(B - b_m)
+    chunk = G.shape[-2]
+    lower = causal_mask(xp, chunk, chunk, device(G))
+    strict = causal_mask(xp, chunk, chunk, device(G), strict=True)
+    met = [key * shrinks for key in key_sets]  # k_s exp(-e_s)
+    matrices, decayed = [], []
+    for (R, _), row_kinds, read in zip(rows, kinds, reads):
+        meeting = R * (grows[..., :-1, :] if read else grows[..., 1:, :])  # a read: to t excl.
+        decayed.append(meeting * to_start)  # r_t exp(b_t) (a read: exp(b_t - g_t))
+        row_matrices = []
+        for key, kind in zip(met, row_kinds):
+            M = matmul(xp, meeting, xp.matrix_transpose(key))
+            if kind == SCORES:
+                row_matrices.append(keep_lower(xp, M, lower))
+            else:
+                L = keep_lower(xp, M, strict, strict=True)
+                row_matrices.append(L if kind == READ_SCORES else unit_lower_inverse(xp, L))
+        matrices.append(row_matrices)
+    return matrices, decayed, [key * to_end for key in met], to_start * to_end
 
 
 def segment_sums(xp: Any, G: Any, axis: int) -> Any:
