@@ -67,6 +67,7 @@ from ..._backend.ops import (
     keep_lower,
     matmul,
     stack_leading,
+    unit_lower_solver,
     unstack,
 )
 
@@ -328,10 +329,11 @@ def _factored(
 ) -> tuple[list[list[Any]], list[Any], list[Any], Any] | None:
     """:func:`intra_chunk`'s matrices, rows, keys and whole-chunk decay for a per-channel gate
     factored over the chunk through its middle token; ``None`` where that does not apply
-    (module docstring): no gate or a scalar one, a precision other than float32 and float64,
-    a backend that does not read values, a chunk log decay beyond :data:`FACTORED_SPAN`."""
-    if (G is None or G.shape[-1] == 1 or G.dtype not in (xp.float32, xp.float64)
-            or not reads_values(xp, G)):  # fmt: skip
+    (module docstring): no gate or a scalar one, chunks of one token, no entries, a precision
+    other than float32 and float64, a backend that does not read values, a chunk log decay
+    beyond :data:`FACTORED_SPAN`."""
+    if (G is None or G.shape[-1] == 1 or G.shape[-2] < 2 or 0 in G.shape
+            or G.dtype not in (xp.float32, xp.float64) or not reads_values(xp, G)):  # fmt: skip
         return None
     middle = G.shape[-2] // 2  # m + 1: tokens up to the middle token m, then after it
     # e_t = sum_{m<r<=t} g_r after m, -sum_{t<r<=m} g_r before it: each a running sum of its
@@ -349,6 +351,7 @@ def _factored(
     chunk = G.shape[-2]
     lower = causal_mask(xp, chunk, chunk, device(G))
     strict = causal_mask(xp, chunk, chunk, device(G), strict=True)
+    solve = unit_lower_solver(xp, G)  # PyTorch: a batched triangular solve
     met = [key * shrinks for key in key_sets]  # k_s exp(-e_s)
     matrices, decayed = [], []
     for (R, _), row_kinds, read in zip(rows, kinds, reads):
@@ -359,9 +362,12 @@ def _factored(
             M = matmul(xp, meeting, xp.matrix_transpose(key))
             if kind == SCORES:
                 row_matrices.append(keep_lower(xp, M, lower))
+            elif kind == READ_SCORES:
+                row_matrices.append(keep_lower(xp, M, strict, strict=True))
+            elif solve is not None:  # reads M's strictly lower triangle only
+                row_matrices.append(solve(-M))
             else:
-                L = keep_lower(xp, M, strict, strict=True)
-                row_matrices.append(L if kind == READ_SCORES else unit_lower_inverse(xp, L))
+                row_matrices.append(unit_lower_inverse(xp, keep_lower(xp, M, strict, strict=True)))
         matrices.append(row_matrices)
     return matrices, decayed, [key * to_end for key in met], to_start * to_end
 
