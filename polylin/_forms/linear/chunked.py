@@ -289,8 +289,8 @@ def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
     Returns ``(A, Q * exp(b), K * exp(B - b), exp(B))``: the scores
     ``A_ts = sum_c q_tc k_sc exp(sum_{s<r<=t} g_rc)`` for ``s <= t`` (0 above the diagonal),
     ``(..., n, C, C)``, and the factors that carry the state across chunks (module docstring),
-    built level by level by :func:`polylin._forms.common.intra_chunk.intra_chunk`. C is a power
-    of two.
+    built level by level, or for a bounded gate factored through each chunk's middle token, by
+    :func:`polylin._forms.common.intra_chunk.intra_chunk`. C is a power of two.
     """
     blocks = intra_chunk(xp, K, G, [(Q, SCORES)])
     return blocks.matrices[0], blocks.rows[0], blocks.keys, blocks.whole
