@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from polylin import causal_linear_attention, dplr_delta_rule
+from polylin import causal_linear_attention, delta_rule_attention, dplr_delta_rule
 from polylin._forms.common import intra_chunk as intra_chunk_module
 from polylin._forms.common.intra_chunk import (
     FACTORED_SPAN,
@@ -190,4 +190,45 @@ def test_capped_chunks_match_the_loop(rng, backend):
     out = causal_linear_attention(x[0], x[1], x[2], identity, log_decay=x[5], normalize=False,
                                   method="chunked", chunk_size=64)  # fmt: skip
     want, _ = reference(q, k, v, np.zeros_like(a), np.zeros_like(b), g)
+    np.testing.assert_allclose(backend.to_numpy(out), want, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("op", ["gla", "kda", "rwkv7"])
+@pytest.mark.parametrize("backend", [Backend.NUMPY, Backend.TORCH], ids=str)
+def test_public_calls_factor_a_bounded_gate(rng, monkeypatch, backend, op):
+    """GLA, KDA and RWKV-7 with a gate inside the bound take the factored form on the eager CPU
+    libraries, and still equal the float64 per-token loops (through a chunk boundary and a
+    padded last chunk)."""
+    needs(backend)
+    taken = []
+
+    def counted(*args):
+        result = factored(*args)
+        taken.append(result is not None)
+        return result
+
+    factored = intra_chunk_module._factored
+    monkeypatch.setattr(intra_chunk_module, "_factored", counted)
+    length, d = 45, 16
+    q, k, v = (rng.standard_normal((2, length, d)) / 2 for _ in range(3))
+    g = -rng.uniform(0.0, 0.5, (2, length, d))  # at most 8 per chunk of 16
+    x = [backend.from_numpy(y) for y in (q, k, v, g)]
+    if op == "gla":
+        out = causal_linear_attention(*x[:3], identity, log_decay=x[3], normalize=False,
+                                      method="chunked", chunk_size=16)  # fmt: skip
+        want, _ = reference(q, k, v, np.zeros_like(q), np.zeros_like(q), g)
+    elif op == "kda":
+        unit = [y / np.linalg.norm(y, axis=-1, keepdims=True) for y in (q, k)]
+        beta = rng.uniform(0, 1, (2, length, 1))
+        x = [backend.from_numpy(y) for y in (*unit, v, beta, g)]
+        out = delta_rule_attention(*x[:4], log_decay=x[4], method="chunked", chunk_size=16)
+        want = delta_rule_attention(*unit, v, beta, log_decay=g, method="recurrent")
+    else:
+        kk = rng.standard_normal((2, length, d))
+        kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+        a, b = -kk, kk * rng.uniform(0, 1, (2, length, 1))
+        out = dplr_delta_rule(*x[:3], backend.from_numpy(a), backend.from_numpy(b),
+                              log_decay=x[3], method="chunked", chunk_size=16)  # fmt: skip
+        want, _ = reference(q, k, v, a, b, g)
+    assert taken and all(taken)
     np.testing.assert_allclose(backend.to_numpy(out), want, rtol=1e-9, atol=1e-11)
