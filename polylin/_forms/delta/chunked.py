@@ -313,7 +313,7 @@ def _block(
     # over ten alternating runs, 0.87-1.15x) and a graph that grows less with T.
     if not in_loop:  # (..., N, d_k, d_v) the state before each chunk, (..., N, C, d_v) W
         (starts, W), S = chunk_loop(xp, partial(_chunk_step, xp), S, [*operands, decay])
-        return [add_matmul(xp, matmul(xp, queries, starts), scores, W)], S
+        return [add_matmul(xp, matmul(xp, queries, starts), scores, W, fresh=True)], S
     Ts, BVs, Rs, Ks = (unstack(xp, x, axis=-3) for x in operands)
     decays = [None] * len(Ts) if decay is None else unstack(xp, decay, axis=-3)
     Qs, Ps = (unstack(xp, x, axis=-3) for x in (queries, scores))
@@ -332,5 +332,6 @@ def _chunk_step(
     the chunk, ``diag(exp(B)) S + K^T W`` (``K`` already transposed, ``decay`` ``(..., w, 1)``
     or None). Returns ``(S', (S, W))``."""
     W = matmul(xp, T, add_matmul(xp, BV, R, S))
-    kept = S if decay is None else S * decay
-    return add_matmul(xp, kept, K, W), (S, W)
+    if decay is None:
+        return add_matmul(xp, S, K, W), (S, W)
+    return add_matmul(xp, S * decay, K, W, fresh=True), (S, W)

@@ -161,7 +161,8 @@ def _chunks(
     operands = [U, W, xp.matrix_transpose(values), increments, decay]
     # (..., n, d_k, d_v) the state before each chunk, (..., n, C, d_v) the reads R
     (starts, R), S = chunk_loop(xp, partial(_chunk_step, xp), S, operands)
-    out = add_matmul(xp, add_matmul(xp, xp.matmul(queries, starts), A_qk, V), A_qb, R)
+    out = add_matmul(xp, xp.matmul(queries, starts), A_qk, V, fresh=True)
+    out = add_matmul(xp, out, A_qb, R, fresh=True)
     return xp.reshape(out, (*out.shape[:-3], length, d_v)), S
 
 
@@ -173,4 +174,4 @@ def _chunk_step(
     the increment ``K^T V``, ``decay`` ``(..., w, 1)`` or None). Returns ``(S', (S, R))``."""
     R = add_matmul(xp, U, W, S)  # PyTorch: one baddbmm, no temporary product
     kept = S if decay is None else decay * S
-    return add_matmul(xp, kept + K, B, R), (S, R)
+    return add_matmul(xp, kept + K, B, R, fresh=True), (S, R)

@@ -244,7 +244,7 @@ def _block(
             increments = _increments(xp, keys, V)
     states, S = chunk_prefix(xp, increments[0], decay, S, chained=chained)
     z_states, z = chunk_prefix(xp, increments[1], decay, z, chained=chained)
-    out = add_matmul(xp, _from_states(xp, queries, states, weights), scores, V)  # one baddbmm
+    out = add_matmul(xp, _from_states(xp, queries, states, weights), scores, V, fresh=True)
     out = _rows(xp, out, padded, length)
     if not normalize:
         return out, S, z
