@@ -232,3 +232,35 @@ def test_public_calls_factor_a_bounded_gate(rng, monkeypatch, backend, op):
         want, _ = reference(q, k, v, a, b, g)
     assert taken and all(taken)
     np.testing.assert_allclose(backend.to_numpy(out), want, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("op", ["gla", "kda", "rwkv7"])
+def test_torch_vmap_reads_no_values(rng, op):
+    """Under ``torch.func.vmap`` (which refuses data-dependent control flow and has no batching
+    rule for in-place products) the chunked calls take the levels and the out-of-place
+    products, warn of nothing, and equal the calls row by row."""
+    import warnings
+
+    torch = needs(Backend.TORCH)
+    length, d = 40, 8
+    q, k, v = (torch.tensor(rng.standard_normal((3, length, d))) for _ in range(3))
+    g = torch.tensor(-rng.uniform(0.0, 0.2, (3, length, d)))  # inside the bound
+    beta = torch.tensor(rng.uniform(0, 1, (3, length, 1)))
+    unit = torch.nn.functional.normalize(k, dim=-1)
+
+    def call(q, k, v, g, beta, unit):
+        if op == "gla":
+            return causal_linear_attention(q, k, v, identity, log_decay=g, normalize=False,
+                                           method="chunked", chunk_size=16)  # fmt: skip
+        if op == "kda":
+            return delta_rule_attention(q, unit, v, beta, log_decay=g, method="chunked",
+                                        chunk_size=16)  # fmt: skip
+        return dplr_delta_rule(q, k, v, -unit, unit * beta, log_decay=g, method="chunked",
+                               chunk_size=16)  # fmt: skip
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batched = torch.func.vmap(call)(q, k, v, g, beta, unit)
+    for row in range(3):
+        want = call(*(x[row] for x in (q, k, v, g, beta, unit)))
+        torch.testing.assert_close(batched[row], want, rtol=1e-10, atol=1e-12)

@@ -46,6 +46,7 @@ __all__ = [
     "scans_tokens",
     "splits_chunks_on_concat",
     "stacked_qr",
+    "torch_transforming",
     "with_derivatives_of",
 ]
 
@@ -72,10 +73,22 @@ def reads_values(xp: Any, x: Any) -> bool:
 
     Eager CPU backends (:func:`eager_cpu`), where the read costs a reduction and nothing more.
     Not where ``x`` has no values yet (JAX tracing, ``torch.compile``), where a read would
-    compute a lazy graph twice (Dask), nor on accelerators, where it would make the host wait
-    for the device (unmeasured there).
+    compute a lazy graph twice (Dask), on accelerators, where it would make the host wait for
+    the device (unmeasured there), nor inside a ``torch.func`` transform (``vmap`` refuses
+    data-dependent control flow).
     """
-    return eager_cpu(xp, device(x))
+    return eager_cpu(xp, device(x)) and not torch_transforming(x)
+
+
+def torch_transforming(x: Any) -> bool:
+    """Whether ``x`` is a tensor seen inside a ``torch.func`` transform (``vmap``, ``grad``,
+    ``jvp``): there a read of its values is refused (``vmap``) and an in-place operation has
+    no batching rule (a slow fallback and a warning). False while ``torch.compile`` traces."""
+    if torch_namespace_of(x) is None or compiling(x):
+        return False
+    functorch = getattr(torch_module()._C, "_functorch", None)
+    level = getattr(functorch, "maybe_current_level", None)
+    return level is not None and level() is not None
 
 
 def chains_decay(x: Any) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import torch_autograd
-from .execution import compiling
+from .execution import compiling, torch_transforming
 from .namespace import (
     JAX_NAMESPACES,
     device,
@@ -323,16 +323,16 @@ def add_matmul(xp: Any, c: Any, a: Any, b: Any, *, fresh: bool = False) -> Any:
 
     ``fresh``: ``c`` is a temporary of the caller's that nothing else reads (the result of an
     operation whose backward does not keep it): PyTorch then adds the product into it in place
-    (``baddbmm_``), if it is contiguous, instead of first copying it into a new tensor (a
-    decayed state per chunk: the gated delta rule's chunked call at 32 x 128, T = 512, 0.91-0.94x
-    the time, one and two threads)."""
+    (``baddbmm_``), if it is contiguous and no ``torch.func`` transform is active, instead of
+    first copying it into a new tensor (a decayed state per chunk: the gated delta rule's
+    chunked call at 32 x 128, T = 512, 0.91-0.94x the time, one and two threads)."""
     same = len(c.shape) > 2 and tuple(c.shape[:-2]) == tuple(a.shape[:-2]) == tuple(b.shape[:-2])
     if same and torch_namespace_of(c) is not None:
         *lead, m, n = c.shape
         flat = [x.reshape(-1, *x.shape[-2:]) for x in (c, a, b)]
         # A strided temporary (a permuted product of grouped heads) is left to baddbmm: written
         # in place, its strided rows measured slower (Mamba-2's scan 1.12x on two threads).
-        if fresh and c.is_contiguous():
+        if fresh and c.is_contiguous() and not torch_transforming(c):
             return flat[0].baddbmm_(*flat[1:]).reshape(*lead, m, n)
         total = torch_module().baddbmm(*flat)
         return total.reshape(*lead, m, n)
