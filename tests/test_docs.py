@@ -312,3 +312,12 @@ def test_index_links_every_page() -> None:
             assert f"]({page.name})" in text, f"index.md does not link {page.name}"
             in_toctree = re.search(rf"^{re.escape(page.stem)}$", text, re.M)
             assert in_toctree, f"no toctree of index.md has {page.stem}"
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.glob("*.md")), ids=lambda p: p.name)
+def test_pages_hold_no_control_characters(page: Path) -> None:
+    """A backslash escape lost on the way into a page (``\\b`` of ``\\big``, ``\\t`` of
+    ``\\top``) leaves a control character that MathJax renders as nonsense, without a warning."""
+    text = page.read_text(encoding="utf-8")
+    bad = sorted({f"{ord(c):#04x}" for c in text if ord(c) < 32 and c not in "\n"})
+    assert not bad, f"{page.name} holds control characters {bad}"
