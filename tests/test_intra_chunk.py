@@ -128,24 +128,6 @@ def test_the_factored_scores_keep_float32_precision(rng, monkeypatch):
     assert error <= 2 * max(np.max(np.abs(levels - want)) / scale, 2 ** -23)
 
 
-@pytest.mark.parametrize("chunk", [2, 8, 32])
-def test_the_outward_sums_are_sums_from_the_middle_token(rng, chunk):
-    """Row t + 1 of the product: e_t, the gate summed from the middle token m (exclusive) to t,
-    negated before m; row 0 the first half negated, row C the second half."""
-    xp = needs(Backend.NUMPY)
-    G = -rng.uniform(0.0, 1.0, (3, chunk, 4))
-    m = chunk // 2 - 1
-    want = np.zeros((3, chunk + 1, 4))
-    for t in range(-1, chunk):
-        if t >= m:
-            want[:, t + 1] = G[:, m + 1 : t + 1].sum(axis=1)
-        else:
-            want[:, t + 1] = -G[:, t + 1 : m + 1].sum(axis=1)
-    W = intra_chunk_module._outward_sums(xp, chunk, xp.float64, None)
-    np.testing.assert_allclose(W @ G, want, rtol=1e-14, atol=1e-15)
-    np.testing.assert_array_equal(np.unique(W), [-1.0, 0.0, 1.0])
-
-
 @pytest.mark.parametrize("gate", ["beyond", "-inf", "nan", "float16"])
 def test_the_levels_take_what_does_not_factor(rng, gate):
     xp = needs(Backend.NUMPY)

@@ -336,20 +336,24 @@ def _factored(
     if (G is None or G.shape[-1] == 1 or G.shape[-2] < 2 or 0 in G.shape
             or G.dtype not in (xp.float32, xp.float64) or not reads_values(xp, G)):  # fmt: skip
         return None
-    chunk = G.shape[-2]
-    # e_t = sum_{m<r<=t} g_r after m, -sum_{t<r<=m} g_r before it: each a sum of its own
-    # terms outward from m. Row t of ``outward`` holds e_{t-1} for t = 0..C (e_{-1}: the first
-    # half's whole decay, negated): one matmul with a matrix of 0 and +-1.
-    outward = matmul(xp, _outward_sums(xp, chunk, G.dtype, device(G)), G)
-    # -(b_m + (B - b_m)), False for a nan (a -inf gate makes its channel's sums nan: -inf * 0)
-    if not bool(xp.max(outward[..., :1, :] - outward[..., -1:, :]) <= FACTORED_SPAN):
+    middle = G.shape[-2] // 2  # m + 1: tokens up to the middle token m, then after it
+    # e_t = sum_{m<r<=t} g_r after m, -sum_{t<r<=m} g_r before it: each a running sum of its
+    # own terms outward from m. ``outward`` holds e_{t-1} for t = 0..C (e_{-1}: the first
+    # half's whole decay, negated).
+    first = xp.flip(cumulative_sum(xp, xp.flip(G[..., :middle, :], axis=-2), axis=-2), axis=-2)
+    second = cumulative_sum(xp, G[..., middle:, :], axis=-2)
+    first_half, second_half = first[..., :1, :], second[..., -1:, :]
+    if not bool(xp.max(-(first_half + second_half)) <= FACTORED_SPAN):  # False for a nan
         return None
+    zero = xp.zeros_like(first_half)
+    outward = concat_leading(xp, [-first, zero, second], axis=-2)
     grows, shrinks = xp.exp(outward), xp.exp(-outward[..., 1:, :])  # exp(e), exp(-e)
-    to_start, to_end = xp.exp(-outward[..., :1, :]), grows[..., -1:, :]  # exp(b_m), exp(B - b_m)
+    to_start, to_end = xp.exp(first_half), xp.exp(second_half)  # exp(b_m), exp(B - b_m)
+    chunk = G.shape[-2]
     lower = causal_mask(xp, chunk, chunk, device(G))
     strict = causal_mask(xp, chunk, chunk, device(G), strict=True)
     solve = unit_lower_solver(xp, G)  # PyTorch: a batched triangular solve
-    met = [shrinks * key for key in key_sets]  # k_s exp(-e_s)
+    met = [key * shrinks for key in key_sets]  # k_s exp(-e_s)
     matrices, decayed = [], []
     for (R, _), row_kinds, read in zip(rows, kinds, reads):
         meeting = R * (grows[..., :-1, :] if read else grows[..., 1:, :])  # a read: to t excl.
@@ -367,27 +371,6 @@ def _factored(
                 row_matrices.append(unit_lower_inverse(xp, keep_lower(xp, M, strict, strict=True)))
         matrices.append(row_matrices)
     return matrices, decayed, [key * to_end for key in met], to_start * to_end
-
-
-def _outward_sums(xp: Any, chunk: int, dtype: Any, dev: Any) -> Any:
-    """The ``(C + 1, C)`` matrix whose product with a chunk's gate ``(..., C, w)`` gives the
-    sums outward from its middle token ``m = C // 2 - 1``: row ``t + 1`` (``t = -1 .. C - 1``)
-    gives ``e_t``, the sum of ``g_r`` over ``m < r <= t`` for ``t >= m`` and minus the sum
-    over ``t < r <= m`` for ``t < m`` (row 0: the first half, negated; row C: the second half).
-
-    Each entry of the product is the sum of its own terms (weights of exactly 0 and +-1), as a
-    running sum is: one matmul instead of two flips, two cumulative sums and a concatenation
-    (on one thread 0.3-0.4x their time on PyTorch, 0.1x on NumPy, at 32 heads x 64 and chunks
-    of 32; the calls of GLA, KDA and RWKV-7 at ggml's shapes 0.93-0.97x on PyTorch, 0.79-0.93x
-    on NumPy).
-    """
-    middle = chunk // 2
-    t = xp.arange(chunk + 1, device=dev)[:, None]
-    r = xp.arange(chunk, device=dev)[None, :]
-    before = (t <= r) & (r < middle)
-    after = (middle <= r) & (r < t)
-    one, zero = xp.ones((), dtype=dtype, device=dev), xp.zeros((), dtype=dtype, device=dev)
-    return xp.where(after, one, xp.where(before, -one, zero))
 
 
 def segment_sums(xp: Any, G: Any, axis: int) -> Any:
