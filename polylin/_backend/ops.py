@@ -8,6 +8,7 @@ core calls these instead of deciding by library itself.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -57,15 +58,46 @@ def cumulative_sum(xp: Any, x: Any, /, *, axis: int, include_initial: bool = Fal
     its cached helpers, which ``torch.compile`` warns about. Call this instead of
     ``xp.cumulative_sum`` everywhere in the core.
     """
-    if torch_namespace_of(x) is None:
+    if is_numpy_array(x) and _rows_of_numpy_sum(x, axis) >= NUMPY_SUM_ROWS:
+        inclusive = _numpy_running_sum(x, axis)
+    elif torch_namespace_of(x) is None:
         return xp.cumulative_sum(x, axis=axis, include_initial=include_initial)
-    inclusive = torch_module().cumsum(x, dim=axis)
+    else:
+        inclusive = torch_module().cumsum(x, dim=axis)
     if not include_initial:
         return inclusive
     shape = list(x.shape)
     shape[axis] = 1
     initial = xp.zeros(tuple(shape), dtype=inclusive.dtype, device=x.device)
     return xp.concat([initial, inclusive], axis=axis)
+
+
+#: Elements per position along the axis from which NumPy sums an axis other than the last as a
+#: loop of whole-slice additions (:func:`cumulative_sum`).
+NUMPY_SUM_ROWS = 2048
+
+
+def _rows_of_numpy_sum(x: Any, axis: int) -> int:
+    """The elements per position along ``axis`` of a NumPy array (0 for the last axis, one
+    position or a dtype not floating: an integer sum widens to NumPy's default integer)."""
+    length = x.shape[axis]
+    if axis % x.ndim == x.ndim - 1 or length < 2 or x.dtype.kind != "f":
+        return 0
+    return x.size // length
+
+
+def _numpy_running_sum(x: Any, axis: int) -> Any:
+    """NumPy's inclusive ``cumsum`` along ``axis`` as one addition of whole slices per position,
+    the same additions in the same order (bit-identical). ``np.cumsum`` along an axis other than
+    the last runs a short inner loop per element: on one thread, at 4096-16384 elements per
+    position, 0.33-0.54x its time (16 and 64 positions); at 1024 the same, fewer slower."""
+    np = sys.modules["numpy"]
+    moved = np.moveaxis(x, axis, 0)
+    out = np.empty(moved.shape, dtype=x.dtype)
+    out[0] = moved[0]
+    for i in range(1, moved.shape[0]):
+        np.add(out[i - 1], moved[i], out=out[i])
+    return np.moveaxis(out, 0, axis)
 
 
 def unstack(xp: Any, x: Any, /, *, axis: int) -> tuple[Any, ...]:
