@@ -362,13 +362,14 @@ def _factored(
         for key, kind in zip(met, row_kinds):
             M = matmul(xp, meeting, xp.matrix_transpose(key))
             if kind == SCORES:
-                row_matrices.append(keep_lower(xp, M, lower))
+                row_matrices.append(keep_lower(xp, M, lower, fresh=True))
             elif kind == READ_SCORES:
-                row_matrices.append(keep_lower(xp, M, strict, strict=True))
+                row_matrices.append(keep_lower(xp, M, strict, strict=True, fresh=True))
             elif solve is not None:  # reads M's strictly lower triangle only
                 row_matrices.append(solve(-M))
             else:
-                row_matrices.append(unit_lower_inverse(xp, keep_lower(xp, M, strict, strict=True)))
+                L = keep_lower(xp, M, strict, strict=True, fresh=True)
+                row_matrices.append(unit_lower_inverse(xp, L))
         matrices.append(row_matrices)
     return matrices, decayed, [key * to_end for key in met], to_start * to_end
 
@@ -409,4 +410,5 @@ def scalar_gate_scores(
     :func:`segment_decay`, if already computed.
     """
     decay = segment_decay(xp, G) if decay is None else decay
-    return keep_lower(xp, matmul(xp, R, xp.matrix_transpose(K)) * decay, mask, strict=strict)
+    scores = matmul(xp, R, xp.matrix_transpose(K)) * decay
+    return keep_lower(xp, scores, mask, strict=strict, fresh=True)

@@ -242,7 +242,7 @@ def _levels(
     ``-diag(beta) K exp(b)`` enter the right-hand side of ``W`` without another negation."""
     rows = K * (-B)  # negating beta (..., C, 1), not the keys
     if G is None:
-        scores = keep_lower(xp, matmul(xp, Q, xp.matrix_transpose(K)), causal)
+        scores = keep_lower(xp, matmul(xp, Q, xp.matrix_transpose(K)), causal, fresh=True)
         return scores, Q, intra_chunk(xp, K, None, [(rows, SOLVE)])
     if G.shape[-1] == 1:  # a scalar gate factors its scores: one full matmul
         scores = scalar_gate_scores(xp, Q, K, G, causal)
@@ -263,7 +263,7 @@ def _factored(
     cumulative sum) and ``exp(B - b_s)`` to its end (a reversed cumulative sum after ``s``)."""
     keys_t = xp.matrix_transpose(K)
     if G is None:
-        scores = keep_lower(xp, matmul(xp, Q, keys_t), causal)
+        scores = keep_lower(xp, matmul(xp, Q, keys_t), causal, fresh=True)
         inverse = solve(matmul(xp, K * B, keys_t))
         return scores, Q, IntraChunk([inverse], [K * (-B)], K, None)
     decay = segment_decay(xp, G)

@@ -216,7 +216,7 @@ def _block(
         decay = None
         increments = _increments(xp, K, V)
         queries = Q
-        scores = keep_lower(xp, matmul(xp, Q, xp.matrix_transpose(K)), causal)
+        scores = keep_lower(xp, matmul(xp, Q, xp.matrix_transpose(K)), causal, fresh=True)
     else:
         lead, width = log_decay.shape[:-2], log_decay.shape[-1]
         G = xp.reshape(log_decay, (*lead, n_chunks, chunk, width))
