@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from itertools import pairwise
 from typing import Any, NamedTuple
 
+from .._backend.denormals import flushing_denormals
 from .._backend.execution import check_static
 from .._backend.namespace import is_array
 from .._backend.ops import nonpositive
@@ -214,7 +215,8 @@ def run_sequences(
         # Selection, not multiplication: padding may hold NaN, and its inputs are never read.
         # A value shared by every token becomes the masked tokens' 0 and the others' value.
         arrays = [xp.where(keep, x, 0.0) for x in arrays]
-    out, S = algorithm(arrays, S, keep)
+    with flushing_denormals(arrays[0]):  # a strong decay's subnormal factors, at full speed
+        out, S = algorithm(arrays, S, keep)
     if keep is not None:
         out = xp.where(keep, out, 0.0)
     if cu_seqlens is not None:

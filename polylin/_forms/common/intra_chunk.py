@@ -246,7 +246,7 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]])
     row_factor, key_factor, read_factor = whole, None, None
     reading = any(reads)
     if whole is not None and not scalar:
-        decayed = [R if read else R * whole for R, read in zip(decayed, reads)]
+        decayed = [R if read else whole * R for R, read in zip(decayed, reads)]
     matrices: list[list[Any]] = [[] for _ in rows]
     for (R, _), row_kinds, row_matrices in zip(rows, kinds, matrices):
         for key, kind in zip(key_sets, row_kinds):  # s = t: undecayed (a read does not see
@@ -353,10 +353,10 @@ def _factored(
     lower = causal_mask(xp, chunk, chunk, device(G))
     strict = causal_mask(xp, chunk, chunk, device(G), strict=True)
     solve = unit_lower_solver(xp, G)  # PyTorch: a batched triangular solve
-    met = [key * shrinks for key in key_sets]  # k_s exp(-e_s)
+    met = [shrinks * key for key in key_sets]  # k_s exp(-e_s)
     matrices, decayed = [], []
     for (R, _), row_kinds, read in zip(rows, kinds, reads):
-        meeting = R * (grows[..., :-1, :] if read else grows[..., 1:, :])  # a read: to t excl.
+        meeting = (grows[..., :-1, :] if read else grows[..., 1:, :]) * R  # a read: to t excl.
         decayed.append(meeting * to_start)  # r_t exp(b_t) (a read: exp(b_t - g_t))
         row_matrices = []
         for key, kind in zip(met, row_kinds):

@@ -81,6 +81,7 @@ __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked", "channel_chunk"]
 #: faster than 1, 4 and 8 MiB (larger blocks spill the cache, smaller ones pay more
 #: per-operation overhead); on one thread 1 MiB is up to 10% faster.
 BLOCK_BYTES = 2 * 2**20
+SKIP = True
 
 #: ``features(q, k, mask)`` returns ``(phi(q), phi(k))`` of one block of tokens in the work
 #: dtype, masked keys already zeroed (``mask`` is that block of the attention mask, or None).
@@ -165,7 +166,9 @@ def causal_chunked(
     pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))
     for q_b, k_b, v_b, mask_b, decay_b in zip(*pieces):
         fq, fk = features(q_b, k_b, mask_b)
-        if strided:
+        if strided and channels and eager and SKIP:
+            v_b = dense(xp, v_b)
+        elif strided:
             fq, fk, v_b = (dense(xp, x) for x in (fq, fk, v_b))
         if accelerator and decay_b is not None:  # the gate's cumulative sums and scalings too
             decay_b = dense(xp, decay_b)
