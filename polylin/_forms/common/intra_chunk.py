@@ -246,7 +246,7 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]])
     row_factor, key_factor, read_factor = whole, None, None
     reading = any(reads)
     if whole is not None and not scalar:
-        decayed = [R if read else whole * R for R, read in zip(decayed, reads)]
+        decayed = [R if read else whole * R for R, read in zip(decayed, reads)]  # dense
     matrices: list[list[Any]] = [[] for _ in rows]
     for (R, _), row_kinds, row_matrices in zip(rows, kinds, matrices):
         for key, kind in zip(key_sets, row_kinds):  # s = t: undecayed (a read does not see

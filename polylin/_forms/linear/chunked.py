@@ -81,7 +81,6 @@ __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked", "channel_chunk"]
 #: faster than 1, 4 and 8 MiB (larger blocks spill the cache, smaller ones pay more
 #: per-operation overhead); on one thread 1 MiB is up to 10% faster.
 BLOCK_BYTES = 2 * 2**20
-SKIP = True
 
 #: ``features(q, k, mask)`` returns ``(phi(q), phi(k))`` of one block of tokens in the work
 #: dtype, masked keys already zeroed (``mask`` is that block of the attention mask, or None).
@@ -166,7 +165,9 @@ def causal_chunked(
     pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))
     for q_b, k_b, v_b, mask_b, decay_b in zip(*pieces):
         fq, fk = features(q_b, k_b, mask_b)
-        if strided and channels and eager and SKIP:
+        if strided and channels and eager:
+            # A per-channel gate's factors multiply the queries and keys first (the factors'
+            # dense array first, so the product is dense too): only the values are copied.
             v_b = dense(xp, v_b)
         elif strided:
             fq, fk, v_b = (dense(xp, x) for x in (fq, fk, v_b))
