@@ -65,6 +65,18 @@ def test_a_callers_flushing_is_kept(rng, torch):
     assert _flushing(torch)
 
 
+def test_the_probe_reads_float32_whatever_the_default_dtype(torch):
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.set_flush_denormal(True)
+        assert _flushing(torch)
+        torch.set_flush_denormal(False)
+        assert not _flushing(torch)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def test_numpy_calls_leave_the_mode_alone(rng, torch, monkeypatch):
     xp = needs(Backend.NUMPY)
     monkeypatch.setattr(torch, "set_flush_denormal", None)  # calling it would fail

@@ -31,8 +31,8 @@ __all__ = ["flushing_denormals"]
 
 def _flushing(torch: Any) -> bool:
     """Whether the calling thread flushes subnormal numbers to zero now."""
-    tiny = torch.finfo(torch.float32).tiny
-    return bool(torch.full((), tiny) * 0.5 == 0)
+    tiny = torch.finfo(torch.float32).tiny  # the default dtype and device could differ
+    return bool(torch.full((), tiny, dtype=torch.float32, device="cpu") * 0.5 == 0)
 
 
 @contextmanager
