@@ -264,3 +264,78 @@ def test_torch_vmap_reads_no_values(rng, op):
     for row in range(3):
         want = call(*(x[row] for x in (q, k, v, g, beta, unit)))
         torch.testing.assert_close(batched[row], want, rtol=1e-10, atol=1e-12)
+
+
+def _jax_call(op, d):
+    """``op`` on JAX arrays ``(q, k, v, g, beta)``, chunks of 16; RWKV-7's ``a, b`` from ``k``."""
+    import jax.numpy as jnp
+
+    def call(q, k, v, g, beta):
+        unit = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+        if op == "gla":
+            return causal_linear_attention(q, k, v, identity, log_decay=g, normalize=False,
+                                           method="chunked", chunk_size=16)  # fmt: skip
+        if op == "kda":
+            return delta_rule_attention(q, unit, v, beta, log_decay=g, method="chunked",
+                                        chunk_size=16)  # fmt: skip
+        return dplr_delta_rule(q, k, v, -unit, unit * beta, log_decay=g, method="chunked",
+                               chunk_size=16)  # fmt: skip
+
+    return call
+
+
+def _jax_inputs(rng, gate, batch=2, length=45, d=8):
+    q, k, v = (rng.standard_normal((batch, length, d)) / 2 for _ in range(3))
+    g = -rng.uniform(0.0, 0.5, (batch, length, d))  # at most 8 per chunk of 16: factored
+    if gate == "strong":  # beyond the bound in every chunk, and a reset: the levels
+        g = _strong_gates(rng, (batch, length, d))
+    beta = rng.uniform(0, 1, (batch, length, 1))
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("gate", ["bounded", "strong"])
+@pytest.mark.parametrize("op", ["gla", "kda", "rwkv7"])
+def test_jax_jit_chooses_inside_the_program(rng, monkeypatch, op, gate):
+    """Under ``jax.jit`` on the CPU a per-channel gate's factoring is chosen by a ``cond`` of the
+    compiled program: the value (RWKV-7's and KDA's forward; GLA's forward is a token scan) and
+    the gradient equal the levels' alone to rounding, for gates inside the bound and beyond
+    it."""
+    jax = needs(Backend.JAX) and __import__("jax")
+    if jax.default_backend() != "cpu":
+        pytest.skip("the choice inside the program is made for the CPU only")
+    call = _jax_call(op, 8)
+    x = [jax.numpy.asarray(y) for y in _jax_inputs(rng, gate)]
+
+    def loss(*arrays):
+        return jax.numpy.sum(call(*arrays) ** 2)
+
+    program = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*x)
+    assert "cond" in str(program)
+    got = jax.jit(call)(*x), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*x)
+    monkeypatch.setattr(intra_chunk_module, "branches_in_program", lambda xp, x: False)
+    assert "cond" not in str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*x))
+    want = jax.jit(call)(*x), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("op", ["gla", "kda", "rwkv7"])
+def test_jax_vmap_gradients_stay_finite(rng, op):
+    """Under ``jax.vmap`` the ``cond`` becomes a selection that computes both constructions:
+    the factored one's exponents are clipped to the bound, so a batch whose gates exceed it
+    (next to one inside it) still has finite gradients, equal to those of each row alone."""
+    jax = needs(Backend.JAX) and __import__("jax")
+    call = _jax_call(op, 8)
+    bounded = _jax_inputs(rng, "bounded", batch=1)
+    strong = _jax_inputs(rng, "strong", batch=1)
+    x = [jax.numpy.asarray(np.concatenate(pair)) for pair in zip(bounded, strong)]
+
+    def loss(*arrays):
+        return jax.numpy.sum(call(*(y[None] for y in arrays)) ** 2)
+
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3))))(*x)
+    for row in range(2):
+        alone = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*(y[row] for y in x))
+        for a, b in zip(grads, alone):
+            assert np.all(np.isfinite(np.asarray(a[row])))
+            np.testing.assert_allclose(np.asarray(a[row]), np.asarray(b), rtol=1e-9, atol=1e-11)

@@ -28,6 +28,8 @@ from .namespace import (
 
 __all__ = [
     "blas_threaded_qr",
+    "branch",
+    "branches_in_program",
     "cacheable",
     "chains_decay",
     "check_static",
@@ -167,6 +169,29 @@ def scans_chunks(xp: Any, x: Any) -> bool:
     unmeasured.
     """
     return scans_tokens(xp, x)
+
+
+def branches_in_program(xp: Any, x: Any) -> bool:
+    """Whether a choice between two constructions by the values of ``x`` is made inside the
+    compiled program, by :func:`branch`, where it cannot read them (:func:`reads_values`).
+
+    JAX tracing for the CPU (under ``jax.jit``): ``lax.cond`` compiles both and runs one. A
+    per-channel gate's intra-chunk matrices factored through each chunk's middle token where
+    bounded, chosen so, took 0.58x (RWKV-7) and 0.72x (KDA) the time of the levels alone
+    forward, 0.48-0.77x with the gradient, at ggml's shapes (``docs/performance.md``, "Decay on
+    JAX"). ``torch.compile`` keeps the levels: its ``torch.cond`` took strided inputs as dense
+    in the compiled branch (a stride assertion at run time); eager JAX reads the values;
+    accelerators are unmeasured.
+    """
+    return scans_tokens(xp, x)
+
+
+def branch(pred: Any, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
+    """``jax.lax.cond(pred, if_true, if_false)``: the result of one of two functions of no
+    arguments (their arrays captured) that return arrays of the same shapes. Only where
+    :func:`branches_in_program` is true (JAX is then imported)."""
+    jax = sys.modules["jax"]
+    return jax.lax.cond(pred, jax.checkpoint(if_true), jax.checkpoint(if_false))
 
 
 def scan(step: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any) -> tuple[Any, Any]:

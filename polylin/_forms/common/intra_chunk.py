@@ -58,7 +58,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ..._backend.execution import reads_values, splits_chunks_on_concat
+from ..._backend.execution import (
+    branch,
+    branches_in_program,
+    reads_values,
+    splits_chunks_on_concat,
+)
 from ..._backend.namespace import device
 from ..._backend.ops import (
     broadcast_shape,
@@ -228,12 +233,23 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]])
     key_sets = list(K) if several else [K]
     kinds = [list(kind) if several else [kind] for _, kind in rows]  # per row set, per key set
     reads = [row_kinds[0] in _READS for row_kinds in kinds]
-    factored = _factored(xp, key_sets, G, rows, kinds, reads)
-    if factored is not None:
-        matrices_f, decayed_f, keys_f, whole_f = factored
-        if several:
-            return IntraChunk(matrices_f, decayed_f, keys_f, whole_f)
-        return IntraChunk([M for (M,) in matrices_f], decayed_f, keys_f[0], whole_f)
+    parts = _factored(xp, key_sets, G, rows, kinds, reads)
+    matrices, decayed, keys, whole = parts or _levels(xp, key_sets, G, rows, kinds, reads)
+    if several:
+        return IntraChunk(matrices, decayed, keys, whole)
+    return IntraChunk([M for (M,) in matrices], decayed, keys[0], whole)
+
+
+#: What :func:`_levels` and :func:`_factored` return: the matrices (per row set, per key set),
+#: the decayed rows (per row set), the decayed keys (per key set) and the whole-chunk decay.
+_Parts = tuple[list[list[Any]], list[Any], list[Any], Any]
+
+
+def _levels(
+    xp: Any, key_sets: list[Any], G: Any | None, rows: Sequence[tuple[Any, Any]],
+    kinds: list[list[str]], reads: list[bool],
+) -> _Parts:
+    """:func:`intra_chunk`'s matrices, rows, keys and whole-chunk decay level by level."""
     chunk = key_sets[0].shape[-2]
     decayed = [R for R, _ in rows]  # r_t decayed from the start of its stretch to t
     keys = key_sets  # k_s decayed from s (exclusive) to the end of its stretch
@@ -319,40 +335,60 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]])
             if M is None:  # C = 1
                 M = xp.ones((*_shape(R, key), 1, 1), dtype=key.dtype, device=device(key))
             row_matrices[j] = xp.reshape(M, (*M.shape[:-3], chunk, chunk))
-    if several:
-        return IntraChunk(matrices, decayed, keys, whole)
-    return IntraChunk([M for (M,) in matrices], decayed, keys[0], whole)
+    return matrices, decayed, keys, whole
 
 
 def _factored(
     xp: Any, key_sets: list[Any], G: Any | None, rows: Sequence[tuple[Any, Any]],
     kinds: list[list[str]], reads: list[bool],
-) -> tuple[list[list[Any]], list[Any], list[Any], Any] | None:
+) -> _Parts | None:
     """:func:`intra_chunk`'s matrices, rows, keys and whole-chunk decay for a per-channel gate
     factored over the chunk through its middle token; ``None`` where that does not apply
     (module docstring): no gate or a scalar one, chunks of one token, no entries, a precision
-    other than float32 and float64, a backend that does not read values, a chunk log decay
-    beyond :data:`FACTORED_SPAN`."""
+    other than float32 and float64, a backend that neither reads values nor chooses inside its
+    program, a chunk log decay beyond :data:`FACTORED_SPAN`. Where the choice is made inside
+    the program (:func:`~polylin._backend.execution.branches_in_program`) both constructions
+    are traced and the program runs one.
+    """
     if (G is None or G.shape[-1] == 1 or G.shape[-2] < 2 or 0 in G.shape
-            or G.dtype not in (xp.float32, xp.float64) or not reads_values(xp, G)):  # fmt: skip
+            or G.dtype not in (xp.float32, xp.float64)):  # fmt: skip
+        return None
+    in_program = branches_in_program(xp, G)
+    if not (in_program or reads_values(xp, G)):
         return None
     middle = G.shape[-2] // 2  # m + 1: tokens up to the middle token m, then after it
     # e_t = sum_{m<r<=t} g_r after m, -sum_{t<r<=m} g_r before it: each a running sum of its
-    # own terms outward from m. ``outward`` holds e_{t-1} for t = 0..C (e_{-1}: the first
-    # half's whole decay, negated).
+    # own terms outward from m.
     first = xp.flip(cumulative_sum(xp, xp.flip(G[..., :middle, :], axis=-2), axis=-2), axis=-2)
     second = cumulative_sum(xp, G[..., middle:, :], axis=-2)
-    first_half, second_half = first[..., :1, :], second[..., -1:, :]
-    if not bool(xp.max(-(first_half + second_half)) <= FACTORED_SPAN):  # False for a nan
+    bounded = xp.max(-(first[..., :1, :] + second[..., -1:, :])) <= FACTORED_SPAN  # nan: False
+    if in_program:
+        return branch(
+            bounded,
+            lambda: _through_middle(xp, key_sets, first, second, rows, kinds, reads),
+            lambda: _levels(xp, key_sets, G, rows, kinds, reads),
+        )
+    if not bool(bounded):
         return None
+    return _through_middle(xp, key_sets, first, second, rows, kinds, reads)
+
+
+def _through_middle(
+    xp: Any, key_sets: list[Any], first: Any, second: Any, rows: Sequence[tuple[Any, Any]],
+    kinds: list[list[str]], reads: list[bool],
+) -> _Parts:
+    """:func:`_factored`'s construction from the running sums of the gate outward from the
+    middle token m: ``first`` (up to m, ``(..., m + 1, w)``) and ``second`` (after it)."""
+    first_half, second_half = first[..., :1, :], second[..., -1:, :]
     zero = xp.zeros_like(first_half)
+    # e_{t-1} for t = 0..C (e_{-1}: the first half's whole decay, negated)
     outward = concat_leading(xp, [-first, zero, second], axis=-2)
     grows, shrinks = xp.exp(outward), xp.exp(-outward[..., 1:, :])  # exp(e), exp(-e)
     to_start, to_end = xp.exp(first_half), xp.exp(second_half)  # exp(b_m), exp(B - b_m)
-    chunk = G.shape[-2]
-    lower = causal_mask(xp, chunk, chunk, device(G))
-    strict = causal_mask(xp, chunk, chunk, device(G), strict=True)
-    solve = unit_lower_solver(xp, G)  # PyTorch: a batched triangular solve
+    chunk = outward.shape[-2] - 1
+    lower = causal_mask(xp, chunk, chunk, device(first))
+    strict = causal_mask(xp, chunk, chunk, device(first), strict=True)
+    solve = unit_lower_solver(xp, first)  # PyTorch: a batched triangular solve
     met = [shrinks * key for key in key_sets]  # k_s exp(-e_s)
     matrices, decayed = [], []
     for (R, _), row_kinds, read in zip(rows, kinds, reads):
