@@ -177,11 +177,12 @@ def branches_in_program(xp: Any, x: Any) -> bool:
 
     JAX tracing for the CPU (under ``jax.jit``): ``lax.cond`` compiles both and runs one. A
     per-channel gate's intra-chunk matrices factored through each chunk's middle token where
-    bounded, chosen so, took 0.58x (RWKV-7) and 0.72x (KDA) the time of the levels alone
-    forward, 0.48-0.77x with the gradient, at ggml's shapes (``docs/performance.md``, "Decay on
-    JAX"). ``torch.compile`` keeps the levels: its ``torch.cond`` took strided inputs as dense
-    in the compiled branch (a stride assertion at run time); eager JAX reads the values;
-    accelerators are unmeasured.
+    bounded, chosen so, took 0.67x (RWKV-7) and 0.79x (KDA) the time of the levels alone
+    forward and 0.59-0.72x with the gradient at ggml's shapes, and 0.91-1.12x where the gates
+    exceed the bound and the levels run (``docs/performance.md``, "The bound checked inside a
+    compiled JAX program"). ``torch.compile`` keeps the levels: its ``torch.cond`` took strided
+    inputs as dense in the compiled branch (a stride assertion at run time); eager JAX reads
+    no values; accelerators are unmeasured.
     """
     return scans_tokens(xp, x)
 
@@ -189,7 +190,13 @@ def branches_in_program(xp: Any, x: Any) -> bool:
 def branch(pred: Any, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
     """``jax.lax.cond(pred, if_true, if_false)``: the result of one of two functions of no
     arguments (their arrays captured) that return arrays of the same shapes. Only where
-    :func:`branches_in_program` is true (JAX is then imported)."""
+    :func:`branches_in_program` is true (JAX is then imported).
+
+    Each function runs under ``jax.checkpoint``: the derivatives recompute it from the captured
+    arrays. Without it ``cond``'s gradient keeps the residuals of both functions (zeros for
+    the one that did not run), and the factored gradient above took 0.82-1.01x the levels'
+    time instead of 0.59-0.72x.
+    """
     jax = sys.modules["jax"]
     return jax.lax.cond(pred, jax.checkpoint(if_true), jax.checkpoint(if_false))
 

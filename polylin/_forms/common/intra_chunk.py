@@ -48,9 +48,12 @@ difference of long sums; every factor is within ``exp(+-16)`` (no overflow; an e
 diagonal at most ``exp(16)`` times ``r . k``, never kept), and the exponents' rounding stays
 on a par with the levels' products (float32 scores within 1.4-2.2e-7 of float64 sums at the
 bound, the levels 0.7-1.6e-7). One matmul per row set and key set replaces the levels' three
-elementwise passes per level. Only eager CPU backends read the gate's values to choose
-(:func:`~polylin._backend.execution.reads_values`); a larger decay, a ``-inf`` or ``nan``, a
-half-precision gate, chunks of one token and every traced or lazy call take the levels.
+elementwise passes per level. Eager CPU backends read the gate's values to choose
+(:func:`~polylin._backend.execution.reads_values`); under ``jax.jit`` for the CPU the choice is
+a ``lax.cond`` of the compiled program, which holds both constructions and runs one
+(:func:`~polylin._backend.execution.branches_in_program`). A larger decay, a ``-inf`` or
+``nan``, a half-precision gate, chunks of one token and every other traced or lazy call take
+the levels.
 """
 
 from __future__ import annotations
