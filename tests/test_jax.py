@@ -358,6 +358,36 @@ def test_jitted_delta_rules_scan_their_chunks_on_the_cpu(jb, jax, rule, block_ro
     assert not execution.scans_chunks(jax.numpy, args[0])  # a concrete array: eager
 
 
+@pytest.mark.parametrize("gate", ["none", "scalar"])
+def test_jitted_delta_rule_solves_its_system_on_the_cpu(jb, jax, gate, rng, monkeypatch):
+    """Under ``jit`` on the CPU the delta rule's unit lower-triangular system is one XLA
+    triangular solve (``_backend.ops.unit_lower_solver``): the program has one, and its values
+    and gradient equal those of the levels' inversion (no solver) to rounding."""
+    import polylin._forms.delta.chunked as delta_chunked
+    from polylin import delta_rule_attention
+
+    q, k, v = (jb.from_numpy(a) for a in _qkv(rng, lead=(2,)))
+    k = k / jax.numpy.linalg.norm(k, axis=-1, keepdims=True)
+    beta = jb.from_numpy(rng.uniform(0.1, 0.9, (2, T, 1)))
+    g = None if gate == "none" else jb.from_numpy(-rng.uniform(0.0, 0.5, (2, T, 1)))
+
+    def loss(q, k, v, beta):
+        out = delta_rule_attention(q, k, v, beta, log_decay=g, chunk_size=CHUNK)
+        return jax.numpy.sum(out**2), out
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+    on_cpu = jax.default_backend() == "cpu"
+    assert ("triangular_solve" in str(jax.make_jaxpr(grad)(q, k, v, beta))) == on_cpu
+    got = jax.jit(grad)(q, k, v, beta)
+    monkeypatch.setattr(delta_chunked, "unit_lower_solver", lambda xp, x: None)
+    jax.clear_caches()  # JAX reuses the scan bodies it traced before
+    assert "triangular_solve" not in str(jax.make_jaxpr(grad)(q, k, v, beta))
+    want = jax.jit(grad)(q, k, v, beta)
+    tol = 1e-5 if jb.to_numpy(q).dtype == np.float32 else 1e-10
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(jb.to_numpy(a), jb.to_numpy(b), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("width", [1, D_K])
 def test_jitted_decayed_prefix_scans_its_chunks_on_the_cpu(jb, jax, width, rng):
     """Under ``jit`` on the CPU a decayed chunked form's states cross the chunks in one scan

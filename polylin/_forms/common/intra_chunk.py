@@ -391,7 +391,7 @@ def _through_middle(
     chunk = outward.shape[-2] - 1
     lower = causal_mask(xp, chunk, chunk, device(first))
     strict = causal_mask(xp, chunk, chunk, device(first), strict=True)
-    solve = unit_lower_solver(xp, first)  # PyTorch: a batched triangular solve
+    solve = unit_lower_solver(xp, first)  # PyTorch, XLA under jit: a batched triangular solve
     met = [shrinks * key for key in key_sets]  # k_s exp(-e_s)
     matrices, decayed = [], []
     for (R, _), row_kinds, read in zip(rows, kinds, reads):

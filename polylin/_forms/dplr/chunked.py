@@ -142,9 +142,9 @@ def _chunks(
     # Two sets of keys, k and b; the queries meet both (outputs), the a rows read before their
     # own token's decay (reads: strictly lower, the system's matrix for b). Each row set is
     # decayed once for both key sets, level by level.
-    # Where the library solves triangular systems (PyTorch), the levels build the system's
-    # matrix and one batched solve inverts it (forward 0.93x the levels' inversion, the
-    # backward unchanged); elsewhere the levels invert it as they go.
+    # Where the library solves triangular systems (PyTorch; XLA under jit), the levels build
+    # the system's matrix and one batched solve inverts it (forward 0.93x the levels'
+    # inversion, the backward unchanged); elsewhere the levels invert it as they go.
     solve = unit_lower_solver(xp, K)
     kind = READ_SOLVE if solve is None else READ_SCORES
     both = intra_chunk(xp, [K, B], G, [(Q, (SCORES, SCORES)), (A, (READ_SCORES, kind))])
