@@ -148,7 +148,8 @@ def dplr_delta_rule(
         families' 64: the block within a chunk dominates this form's time, and 32 ran
         0.76-0.95x the time of 64 (NumPy and PyTorch, forward and forward+backward,
         ``docs/dplr.md``). On CPU backends a per-channel gate runs chunks of at most
-        ``max(16, d_k / 4)`` tokens; the results agree to round-off whatever C.
+        ``max(16, d_k / 4)`` tokens (eager) or 32 (under ``jax.jit``); the results agree to
+        round-off whatever C.
     initial_state : array, optional
         The state ``S`` to continue from, shape ``(..., d_k, d_v)``; one returned by any
         method or by :func:`dplr_delta_rule_step`, or one whose leading dimensions broadcast

@@ -389,6 +389,37 @@ def test_jitted_delta_rule_solves_its_system_on_the_cpu(jb, jax, gate, rng, monk
 
 
 @pytest.mark.parametrize("width", [1, D_K])
+def test_jitted_generalized_rule_caps_per_channel_chunks(jb, jax, width, rng, monkeypatch):
+    """Under ``jit`` on the CPU the generalized rule runs a per-channel gate in chunks of at
+    most ``SCANNED_CHANNEL_CHUNK`` tokens (a scalar gate keeps the caller's), and equals the
+    eager call."""
+    import polylin._forms.dplr.chunked as dplr_chunked
+    from polylin import dplr_delta_rule
+
+    seen = []
+
+    def spy(xp, K, G, rows):
+        seen.append(K[0].shape[-2])
+        return intra_chunk(xp, K, G, rows)
+
+    intra_chunk = dplr_chunked.intra_chunk
+    monkeypatch.setattr(dplr_chunked, "intra_chunk", spy)
+    jax.clear_caches()  # JAX reuses the scan bodies it traced before
+    t = 80
+    q, k, v = (jb.from_numpy(x) for x in _qkv(rng, lead=(2,), t=t))
+    a, b = (jb.from_numpy(rng.standard_normal((2, t, D_K)) * 0.1) for _ in range(2))
+    g = jb.from_numpy(-rng.uniform(0.0, 0.5, (2, t, width)))
+    call = functools.partial(dplr_delta_rule, chunk_size=64)
+    got = jax.jit(lambda *x: call(*x[:5], log_decay=x[5]))(q, k, v, a, b, g)
+    on_cpu = jax.default_backend() == "cpu"
+    capped = width != 1 and on_cpu
+    assert set(seen) == {dplr_chunked.SCANNED_CHANNEL_CHUNK if capped else 64}
+    want = call(q, k, v, a, b, log_decay=g)
+    tol = 1e-4 if jb.to_numpy(q).dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(jb.to_numpy(got), jb.to_numpy(want), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("width", [1, D_K])
 def test_jitted_decayed_prefix_scans_its_chunks_on_the_cpu(jb, jax, width, rng):
     """Under ``jit`` on the CPU a decayed chunked form's states cross the chunks in one scan
     (``chunk_prefix``), not a scan of logarithmic depth whose program grows with the number of

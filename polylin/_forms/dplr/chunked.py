@@ -38,7 +38,7 @@ from ..._backend.ops import add_matmul, pad_rows, split_rows, unit_lower_solver
 from ..common.intra_chunk import READ_SCORES, READ_SOLVE, SCORES, intra_chunk
 from ..common.prefix import chunk_loop
 
-__all__ = ["BLOCK_ROWS", "channel_chunk", "dplr_chunked"]
+__all__ = ["BLOCK_ROWS", "SCANNED_CHANNEL_CHUNK", "channel_chunk", "dplr_chunked"]
 
 
 #: Rows (batch x tokens) per block of chunks and per thread (``_backend.execution.cpu_threads``) on
@@ -46,6 +46,16 @@ __all__ = ["BLOCK_ROWS", "channel_chunk", "dplr_chunked"]
 #: inverse, each level's blocks) stay in cache instead of being allocated at the size of the whole
 #: sequence (as the delta rule's chunked form does; ``docs/performance.md``, "Blocks and threads").
 BLOCK_ROWS = 4096
+
+
+#: The longest chunk a per-channel gate runs where the loop over chunks is a scan (``jax.jit``
+#: for the CPU: ``_backend.execution.scans_chunks``). RWKV-7's shapes, one thread, one process,
+#: alternating, median of 9: chunks of 32 took 0.69-0.70x the forward time of 64 and
+#: 0.74-0.95x the gradient's (32 heads x 64 and 16 x 128, T = 512), chunks of 16 0.80-0.81x
+#: and 0.96-1.11x: shorter chunks pass the factoring's bound more often
+#: (:data:`~polylin._forms.common.intra_chunk.FACTORED_SPAN`) and build fewer levels. The
+#: default chunk (:data:`polylin.DEFAULT_DPLR_CHUNK_SIZE`) is 32: a longer one given is capped.
+SCANNED_CHANNEL_CHUNK = 32
 
 
 def channel_chunk(d_k: int) -> int:
@@ -73,8 +83,9 @@ def dplr_chunked(
     chunk_size: int,
     scale: float = 1.0,
 ) -> tuple[Any, Any]:
-    """Chunks of ``chunk_size`` tokens (rounded up to a power of two; on eager CPU backends at
-    most :func:`channel_chunk` tokens for a per-channel gate) from the state ``S``.
+    """Chunks of ``chunk_size`` tokens (rounded up to a power of two; for a per-channel gate at
+    most :func:`channel_chunk` tokens on eager CPU backends and :data:`SCANNED_CHANNEL_CHUNK`
+    where the chunks are scanned) from the state ``S``.
 
     Within every chunk (all chunks of a block at once, batched): the four matrices of decayed
     inner products and the inverse of ``I - L``; then ``R = U + W S`` and the state update per
@@ -91,14 +102,17 @@ def dplr_chunked(
         return v[..., :0, :], S
     chunk = 1 << (min(chunk_size, T) - 1).bit_length()
     eager = eager_cpu(xp, device(k))
-    if eager and g is not None and g.shape[-1] != 1:
-        chunk = min(chunk, channel_chunk(k.shape[-1]))
+    scanned = scans_chunks(xp, k)
+    if g is not None and g.shape[-1] != 1:
+        if eager:
+            chunk = min(chunk, channel_chunk(k.shape[-1]))
+        elif scanned:
+            chunk = min(chunk, SCANNED_CHANNEL_CHUNK)
     padded = -(-T // chunk) * chunk
     arrays = [q, k, v, a, b] + ([] if g is None else [g])
     if padded != T:  # zero k, v, a, b write nothing, zero g keeps the state; outputs dropped
         arrays = [pad_rows(xp, x, padded - T) for x in arrays]
     block = padded
-    scanned = scans_chunks(xp, k)
     if eager or scanned:
         rows = math.prod(S.shape[:-2])
         per_block = BLOCK_ROWS * (cpu_threads(xp) if eager else 1)
