@@ -234,6 +234,19 @@ def test_public_calls_factor_a_bounded_gate(rng, monkeypatch, backend, op):
     np.testing.assert_allclose(backend.to_numpy(out), want, rtol=1e-9, atol=1e-11)
 
 
+def _channel_call(op, q, k, v, g, beta, unit):
+    """GLA, KDA (keys ``unit``) or RWKV-7 (``a, b`` from ``unit``) chunked, chunks of 16, with
+    the per-channel gate ``g``."""
+    if op == "gla":
+        return causal_linear_attention(q, k, v, identity, log_decay=g, normalize=False,
+                                       method="chunked", chunk_size=16)  # fmt: skip
+    if op == "kda":
+        return delta_rule_attention(q, unit, v, beta, log_decay=g, method="chunked",
+                                    chunk_size=16)  # fmt: skip
+    return dplr_delta_rule(q, k, v, -unit, unit * beta, log_decay=g, method="chunked",
+                           chunk_size=16)  # fmt: skip
+
+
 @pytest.mark.parametrize("op", ["gla", "kda", "rwkv7"])
 def test_torch_vmap_reads_no_values(rng, op):
     """Under ``torch.func.vmap`` (which refuses data-dependent control flow and has no batching
@@ -249,14 +262,7 @@ def test_torch_vmap_reads_no_values(rng, op):
     unit = torch.nn.functional.normalize(k, dim=-1)
 
     def call(q, k, v, g, beta, unit):
-        if op == "gla":
-            return causal_linear_attention(q, k, v, identity, log_decay=g, normalize=False,
-                                           method="chunked", chunk_size=16)  # fmt: skip
-        if op == "kda":
-            return delta_rule_attention(q, unit, v, beta, log_decay=g, method="chunked",
-                                        chunk_size=16)  # fmt: skip
-        return dplr_delta_rule(q, k, v, -unit, unit * beta, log_decay=g, method="chunked",
-                               chunk_size=16)  # fmt: skip
+        return _channel_call(op, q, k, v, g, beta, unit)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -266,20 +272,14 @@ def test_torch_vmap_reads_no_values(rng, op):
         torch.testing.assert_close(batched[row], want, rtol=1e-10, atol=1e-12)
 
 
-def _jax_call(op, d):
-    """``op`` on JAX arrays ``(q, k, v, g, beta)``, chunks of 16; RWKV-7's ``a, b`` from ``k``."""
+def _jax_call(op):
+    """``op`` on JAX arrays ``(q, k, v, g, beta)`` (:func:`_channel_call`, ``unit`` the
+    normalized ``k``)."""
     import jax.numpy as jnp
 
     def call(q, k, v, g, beta):
         unit = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-        if op == "gla":
-            return causal_linear_attention(q, k, v, identity, log_decay=g, normalize=False,
-                                           method="chunked", chunk_size=16)  # fmt: skip
-        if op == "kda":
-            return delta_rule_attention(q, unit, v, beta, log_decay=g, method="chunked",
-                                        chunk_size=16)  # fmt: skip
-        return dplr_delta_rule(q, k, v, -unit, unit * beta, log_decay=g, method="chunked",
-                               chunk_size=16)  # fmt: skip
+        return _channel_call(op, q, k, v, g, beta, unit)
 
     return call
 
@@ -303,7 +303,7 @@ def test_jax_jit_chooses_inside_the_program(rng, monkeypatch, op, gate):
     jax = needs(Backend.JAX) and __import__("jax")
     if jax.default_backend() != "cpu":
         pytest.skip("the choice inside the program is made for the CPU only")
-    call = _jax_call(op, 8)
+    call = _jax_call(op)
     x = [jax.numpy.asarray(y) for y in _jax_inputs(rng, gate)]
 
     def loss(*arrays):
@@ -326,7 +326,7 @@ def test_jax_vmap_gradients_stay_finite(rng, op):
     the factored one's exponents are clipped to the bound, so a batch whose gates exceed it
     (next to one inside it) still has finite gradients, equal to those of each row alone."""
     jax = needs(Backend.JAX) and __import__("jax")
-    call = _jax_call(op, 8)
+    call = _jax_call(op)
     bounded = _jax_inputs(rng, "bounded", batch=1)
     strong = _jax_inputs(rng, "strong", batch=1)
     x = [jax.numpy.asarray(np.concatenate(pair)) for pair in zip(bounded, strong)]
