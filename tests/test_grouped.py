@@ -38,8 +38,9 @@ TOL = {"rtol": 1e-9, "atol": 1e-10}
 #: per token shared by the group, one per channel and group (inherently per group), one per
 #: channel shared by the group.
 KINDS = ("none", "float", "token", "token-shared", "channel", "channel-shared")
-# (T, chunk_size): several chunks and a partial last one (per channel: rounded up to 32).
-SHAPES = {"chunked": (29, 8), "quadratic": (29, 8), "recurrent": (9, 8)}
+# (T, chunk_size): several chunks and a partial last one (per channel: rounded up to 32); the
+# chunked form's five run a per-group gate with the heads as columns (_forms/linear/grouped).
+SHAPES = {"chunked": (37, 8), "quadratic": (29, 8), "recurrent": (9, 8)}
 
 
 def grouped_inputs(rng, G, T, lead=(B, H)):

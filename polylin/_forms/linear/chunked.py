@@ -72,6 +72,8 @@ from ..._backend.ops import (
 )
 from ..common.intra_chunk import SCORES, intra_chunk, scalar_gate_scores
 from ..common.prefix import chunk_prefix
+from ..common.scalar_gate import sum_after
+from .grouped import grouped_chunked
 
 __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked", "channel_chunk"]
 
@@ -81,6 +83,7 @@ __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked", "channel_chunk"]
 #: faster than 1, 4 and 8 MiB (larger blocks spill the cache, smaller ones pay more
 #: per-operation overhead); on one thread 1 MiB is up to 10% faster.
 BLOCK_BYTES = 2 * 2**20
+
 
 #: ``features(q, k, mask)`` returns ``(phi(q), phi(k))`` of one block of tokens in the work
 #: dtype, masked keys already zeroed (``mask`` is that block of the attention mask, or None).
@@ -156,6 +159,13 @@ def causal_chunked(
     # (twice the bytes per token) or 15-60% slower (four times), forward and backward.
     token_bytes = math.prod(batch) * (d_phi + d_v) * itemsize
     block = block_tokens(eager, T, chunk, token_bytes)
+    if eager and log_decay is not None and not channels:
+        grouped = grouped_chunked(
+            xp, features, q, k, v, S, z[..., 0], mask=mask, log_decay=log_decay, chunk=chunk,
+            eps=eps, normalize=normalize,
+        )
+        if grouped is not None:
+            return grouped
     causal = causal_mask(xp, chunk, chunk, dev)
     outputs = []
     # A strided block (cut from a longer sequence, or on an accelerator fla's (B, T, H, d) read
@@ -226,7 +236,7 @@ def _block(
         G = xp.reshape(log_decay, (*lead, n_chunks, chunk, width))
         if width == 1:
             before = cumulative_sum(xp, G, axis=-2)  # b_t: from the chunk start to t, inclusive
-            after = _sum_after(xp, G)  # B - b_s: from s (exclusive) to the chunk end
+            after = sum_after(xp, G)  # B - b_s: from s (exclusive) to the chunk end
             total = xp.sum(G, axis=-2, keepdims=True)  # B: the whole chunk
             scores = scalar_gate_scores(xp, Q, K, G, causal)
             # A gate of grouped heads has the groups' axis: there Q * exp(b) and K * exp(B - b)
@@ -279,12 +289,6 @@ def _increments(xp: Any, K: Any, V: Any, *, weights: Any | None = None) -> tuple
     if weights is None:
         return matmul(xp, Kt, V), xp.sum(K, axis=-2)[..., None]
     return matmul(xp, Kt, V * weights), matmul(xp, Kt, weights)
-
-
-def _sum_after(xp: Any, G: Any) -> Any:
-    """``sum_{r > s} g_r`` within each chunk (axis -2): a reversed exclusive cumulative sum."""
-    flipped = cumulative_sum(xp, xp.flip(G, axis=-2), axis=-2, include_initial=True)
-    return xp.flip(flipped[..., :-1, :], axis=-2)
 
 
 def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:

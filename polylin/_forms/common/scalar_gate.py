@@ -1,0 +1,124 @@
+"""A scalar gate's intra-chunk products, factored through the middle of each half chunk.
+
+For a scalar gate per token and head, the intra-chunk product of a chunk's scores with an
+array ``X`` (the values, or ones for the normalizer) is::
+
+    Y_t = sum_{s <= t} (r_t . k_s) exp(sum_{s<r<=t} g_r) x_s
+
+:func:`~polylin._forms.common.intra_chunk.scalar_gate_scores` builds the decayed scores
+``(..., C, C)`` from segment sums, one matrix per head. Where the rows and keys are shared by
+the heads of a group and the gate is not (Mamba-2's ``C`` and ``B``), those are the only
+per-head ``C x C`` arrays of the chunk. Factored, the decay leaves the scores::
+
+    Y_t = u_t sum_{s <= t} P_ts (w_s x_s),   P = lower(R K^T),   u_t w_s = exp(e_t - e_s)
+
+with ``e_t`` the gate's running sum from a middle token ``m`` to ``t`` (negated before
+``m``), each a sum of its own terms, ``u = exp(e)`` and ``w = exp(-e)``: ``P`` is one matrix
+for the whole group, and its product with ``w x`` one matrix product whose columns are every
+head's values.
+
+``exp(-e_s)`` grows with the distance from ``m``, so each half chunk has its own middle token
+(``m_1`` and ``m_2``, a quarter of the chunk from either end of the half), and the second
+half's rows meet the first half's keys through both: ``exp(e_t - e_s) = u_t c w_s`` with
+``c = exp(sum_{m_1<r<=m_2} g_r) <= 1``, one number per chunk and head::
+
+    Y_1 = u_1 (P_11 (w_1 x_1)),   Y_2 = u_2 (P_21 (c w_1 x_1) + P_22 (w_2 x_2))
+
+This applies where every ``|e_t|`` is at most
+:data:`~polylin._forms.common.intra_chunk.FACTORED_SPAN` (16; :func:`within_span`): every
+factor is within ``exp(+-16)`` (no overflow), the scores are masked before they meet ``w`` (no
+entry above the diagonal is ever scaled), and the decays' rounding is that of the segment sums:
+an exponent summed over the same stretch of at most 16 in magnitude (measured at spans of
+9-36, the factored decays within 0.9-3.7e-6 of float64, the segment sums 1.0-3.9e-6).
+
+Every array here keeps the heads last, as columns: ``G`` is ``(..., C, W)`` for ``W`` heads,
+``X`` ``(..., C, W, w)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from ..._backend.ops import concat_leading, cumulative_sum, matmul, pad_rows, unstack
+from .intra_chunk import FACTORED_SPAN
+
+__all__ = ["HalfFactors", "half_factors", "half_products", "sum_after", "within_span"]
+
+
+class HalfFactors(NamedTuple):
+    """The factors of :func:`half_products`, per chunk and head ``(..., n, ., W)``."""
+
+    grows: Any  # (..., n, 2, C / 2, W): u, per half
+    shrinks_1: Any  # (..., n, C / 2, W): w of the first half
+    shrinks_2: Any  # (..., n, C / 2, W): w of the second half
+    across: Any  # (..., n, 1, W): c
+
+
+def _outward(xp: Any, G: Any) -> tuple[Any, Any]:
+    """The running sums of ``G`` ``(..., n, C, W)`` outward from each half chunk's middle token
+    ``m``: ``first`` ``(..., n, 2, C / 4, W)``, ``sum_{t<=r<=m} g_r`` for the tokens up to
+    ``m`` (so ``-first[t + 1]`` is ``e_t`` and ``-first[0]`` the half's decay up to ``m``), and
+    ``second``, ``e_t = sum_{m<r<=t} g_r`` for those after it."""
+    chunk, width = G.shape[-2:]
+    halves = xp.reshape(G, (*G.shape[:-2], 2, chunk // 2, width))
+    middle = chunk // 4
+    first = xp.flip(cumulative_sum(xp, xp.flip(halves[..., :middle, :], axis=-2), axis=-2), axis=-2)
+    return first, cumulative_sum(xp, halves[..., middle:, :], axis=-2)
+
+
+def within_span(xp: Any, G: Any, chunk: int) -> bool:
+    """Whether :func:`half_factors` applies to the gate ``G`` ``(..., T, w)`` in chunks of
+    ``chunk`` tokens (zero log decays pad the last chunk): a multiple of 4, float32 or
+    float64, and no ``|e_t|`` above ``FACTORED_SPAN`` (a ``nan``: False). Reads the gate's
+    values: eager backends only.
+
+    ``|e_t|`` is largest at a quarter chunk's far end, where it is that quarter's whole log
+    decay; every quarter sums ``C / 4`` log decays, so the largest decay alone admits most
+    gates, and the quarters' sums are computed only where it does not.
+    """
+    if chunk % 4 or G.dtype not in (xp.float32, xp.float64) or 0 in G.shape:
+        return False
+    if bool(xp.max(-G) * (chunk // 4) <= FACTORED_SPAN):  # a nan: False
+        return True
+    length, quarter = G.shape[-2], chunk // 4
+    n = -(-length // quarter)
+    padded = pad_rows(xp, G, n * quarter - length)
+    quarters = xp.sum(xp.reshape(padded, (*G.shape[:-2], n, quarter, G.shape[-1])), axis=-2)
+    return bool(xp.max(-quarters) <= FACTORED_SPAN)
+
+
+def half_factors(xp: Any, G: Any) -> HalfFactors:
+    """The factors of the module docstring for a gate ``G`` ``(..., n, C, W)`` that
+    :func:`within_span` admits."""
+    first, second = _outward(xp, G)
+    e = concat_leading(xp, [-first[..., 1:, :], xp.zeros_like(first[..., :1, :]), second], axis=-2)
+    shrinks_1, shrinks_2 = unstack(xp, xp.exp(-e), axis=-3)
+    first_end, _ = unstack(xp, second[..., -1:, :], axis=-3)  # from m_1 (exclusive) to the end
+    _, second_start = unstack(xp, first[..., :1, :], axis=-3)  # from the start to m_2
+    return HalfFactors(xp.exp(e), shrinks_1, shrinks_2, xp.exp(first_end + second_start))
+
+
+def half_products(xp: Any, factors: HalfFactors, P: Any, X: Any) -> Any:
+    """``Y`` of the module docstring: ``P`` ``(..., n, C, C)`` the masked scores shared by the
+    heads, ``X`` ``(..., n, C, W, w)``; returns ``(..., n, C, W, w)``."""
+    *lead, chunk, width, columns = X.shape
+    half = chunk // 2
+    X_1, X_2 = unstack(xp, xp.reshape(X, (*lead, 2, half, width, columns)), axis=-4)
+    met_1 = X_1 * factors.shrinks_1[..., None]  # w x, per half
+    met_2 = X_2 * factors.shrinks_2[..., None]
+    met = concat_leading(xp, [met_1 * factors.across[..., None], met_2], axis=-3)
+
+    def flat(x: Any) -> Any:  # the heads as columns
+        return xp.reshape(x, (*x.shape[:-2], width * columns))
+
+    Y_1 = matmul(xp, P[..., :half, :half], flat(met_1))
+    Y_2 = matmul(xp, P[..., half:, :], flat(met))
+    Y = xp.reshape(xp.stack([Y_1, Y_2], axis=-3), (*lead, 2, half, width, columns))
+    return xp.reshape(Y * factors.grows[..., None], (*lead, chunk, width, columns))
+
+
+def sum_after(xp: Any, G: Any) -> Any:
+    """``sum_{r > s} g_r`` within each chunk (axis -2): a reversed exclusive cumulative sum, each
+    entry a sum of its own terms."""
+    flipped = cumulative_sum(xp, xp.flip(G, axis=-2), axis=-2, include_initial=True)
+    return xp.flip(flipped[..., :-1, :], axis=-2)
