@@ -183,3 +183,28 @@ def test_the_span(gate, admitted):
     assert within_span(np, G.astype(np.float32), 16) is admitted
     assert not within_span(np, G, 6)  # not a multiple of four
     assert not within_span(np, G.astype(np.float16), 16)
+
+
+def test_torch_func_transforms(blocks, rng):
+    """Inside ``torch.func.vmap`` and ``grad`` the gate's values cannot be read: the per-head
+    form runs, with the same results as the calls outside (where the columns run)."""
+    torch = pytest.importorskip("torch")
+    C, K, x, g, _, _ = (torch.tensor(a) for a in mamba2_inputs(rng))
+
+    def call(C, K, x, g):  # one row of the batch: time on axis 0
+        return causal_linear_attention(
+            C, K, x, identity, chunk_size=8, log_decay=g, normalize=False, seq_axis=0
+        )
+
+    mapped = torch.func.vmap(call)(C, K, x, g)
+    assert blocks[0] == 0
+    rows = torch.stack([call(*(a[i] for a in (C, K, x, g))) for i in range(B)])
+    assert blocks[0] == B
+    torch.testing.assert_close(mapped, rows, rtol=1e-12, atol=1e-12)
+    C, K, x, g = (a[0] for a in (C, K, x, g))
+    gradient = torch.func.grad(lambda x: call(C, K, x, g).square().sum())(x)
+    assert blocks[0] == B
+    x = x.clone().requires_grad_(True)
+    call(C, K, x, g).square().sum().backward()
+    assert blocks[0] == B + 1
+    torch.testing.assert_close(gradient, x.grad, rtol=1e-12, atol=1e-12)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from ..._backend.execution import reads_values
 from ..._backend.ops import concat_leading, cumulative_sum, matmul, pad_rows, unstack
 from .intra_chunk import FACTORED_SPAN
 
@@ -70,13 +71,16 @@ def within_span(xp: Any, G: Any, chunk: int) -> bool:
     """Whether :func:`half_factors` applies to the gate ``G`` ``(..., T, w)`` in chunks of
     ``chunk`` tokens (zero log decays pad the last chunk): a multiple of 4, float32 or
     float64, and no ``|e_t|`` above ``FACTORED_SPAN`` (a ``nan``: False). Reads the gate's
-    values: eager backends only.
+    values: False where that cannot be done
+    (:func:`~polylin._backend.execution.reads_values`: traced, lazy and accelerator arrays,
+    ``torch.func`` transforms).
 
     ``|e_t|`` is largest at a quarter chunk's far end, where it is that quarter's whole log
     decay; every quarter sums ``C / 4`` log decays, so the largest decay alone admits most
     gates, and the quarters' sums are computed only where it does not.
     """
-    if chunk % 4 or G.dtype not in (xp.float32, xp.float64) or 0 in G.shape:
+    if (chunk % 4 or G.dtype not in (xp.float32, xp.float64) or 0 in G.shape
+            or not reads_values(xp, G)):  # fmt: skip
         return False
     if bool(xp.max(-G) * (chunk // 4) <= FACTORED_SPAN):  # a nan: False
         return True
