@@ -27,6 +27,7 @@ from .namespace import (
 )
 
 __all__ = [
+    "adds_in_place",
     "blas_threaded_qr",
     "branch",
     "branches_in_program",
@@ -80,6 +81,18 @@ def reads_values(xp: Any, x: Any) -> bool:
     data-dependent control flow).
     """
     return eager_cpu(xp, device(x)) and not torch_transforming(x)
+
+
+def adds_in_place(*arrays: Any) -> bool:
+    """Whether :func:`~polylin._backend.ops.add_matmul` with ``fresh=True`` writes into its
+    fresh array and nothing records the call for a gradient: PyTorch tensors outside
+    ``torch.func`` transforms, with gradient mode off or none of ``arrays`` requiring one.
+    (Accumulating into a scaled fresh array that way measured faster forward but slower to
+    differentiate: :mod:`polylin._forms.linear.grouped`.)"""
+    x = arrays[0]
+    if torch_namespace_of(x) is None or torch_transforming(x):
+        return False
+    return not (torch_module().is_grad_enabled() and any(a.requires_grad for a in arrays))
 
 
 def torch_transforming(x: Any) -> bool:

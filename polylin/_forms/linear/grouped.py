@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from ..._backend.execution import adds_in_place
 from ..._backend.namespace import device
 from ..._backend.ops import (
     broadcast_shape,
@@ -43,7 +44,13 @@ from ..._backend.ops import (
     split_rows,
 )
 from ..common.prefix import chunk_prefix
-from ..common.scalar_gate import half_factors, half_products, sum_after, within_span
+from ..common.scalar_gate import (
+    half_factors,
+    half_products,
+    half_products_into,
+    sum_after,
+    within_span,
+)
 
 __all__ = ["BLOCK_BYTES", "MIN_CHUNKS", "grouped_chunked"]
 
@@ -160,7 +167,10 @@ def _block(
     def flat(x: Any) -> Any:  # (..., r, width, c) -> (..., r, width x c)
         return xp.reshape(x, (*x.shape[:-2], x.shape[-2] * x.shape[-1]))
 
-    before = xp.exp(cumulative_sum(xp, G, axis=-2))[..., None]  # exp(b), (..., n, C, width, 1)
+    into = adds_in_place(V, Q, K, G, S)  # the outputs added into Q_n S_n (half_products_into)
+    before = None
+    if normalize or not into:
+        before = xp.exp(cumulative_sum(xp, G, axis=-2))[..., None]  # exp(b), (..., n, C, width, 1)
     after = xp.exp(sum_after(xp, G))[..., None]  # exp(B - b)
     whole = xp.exp(xp.sum(G, axis=-2, keepdims=True))[..., None]  # exp(B), (..., n, 1, width, 1)
     Kt = xp.matrix_transpose(K)
@@ -168,11 +178,17 @@ def _block(
     factors = half_factors(xp, G)
     decay = flat(xp.broadcast_to(whole, (*whole.shape[:-1], d_v)))
     states, S = chunk_prefix(xp, matmul(xp, Kt, flat(V * after)), decay, S, chained=True)
-    out = xp.reshape(matmul(xp, Q, states), V.shape) * before + half_products(xp, factors, P, V)
+    reads = xp.reshape(matmul(xp, Q, states), V.shape)  # Q_n S_n
+    if into:
+        out = half_products_into(xp, factors, P, V, reads)
+    else:
+        assert before is not None
+        out = reads * before + half_products(xp, factors, P, V)
     out = xp.reshape(out, (*out.shape[:-4], padded, width * d_v))[..., :length, :]
     z_states, z = chunk_prefix(xp, matmul(xp, Kt, after[..., 0]), whole[..., 0], z, chained=True)
     if not normalize:
         return out, S, z
+    assert before is not None
     ones = xp.ones((*V.shape[:-1], 1), dtype=V.dtype, device=device(V))
     normalizer = matmul(xp, Q, z_states) * before[..., 0]
     normalizer = normalizer + half_products(xp, factors, P, ones)[..., 0]
