@@ -159,36 +159,43 @@ def causal_chunked(
     # (twice the bytes per token) or 15-60% slower (four times), forward and backward.
     token_bytes = math.prod(batch) * (d_phi + d_v) * itemsize
     block = block_tokens(eager, T, chunk, token_bytes)
-    if eager and log_decay is not None and not channels:
-        grouped = grouped_chunked(
-            xp, features, q, k, v, S, z[..., 0], mask=mask, log_decay=log_decay, chunk=chunk,
-            eps=eps, normalize=normalize,
-        )
-        if grouped is not None:
-            return grouped
-    causal = causal_mask(xp, chunk, chunk, dev)
-    outputs = []
-    # A strided block (cut from a longer sequence, or on an accelerator fla's (B, T, H, d) read
-    # as (B, H, T, d)): copied once here, not by every matmul (_backend.ops.dense).
-    accelerator = eager_accelerator(xp, dev)
-    strided = block < T or accelerator
-    pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))
-    for q_b, k_b, v_b, mask_b, decay_b in zip(*pieces):
-        fq, fk = features(q_b, k_b, mask_b)
-        if strided and channels and eager:
-            # A per-channel gate's factors multiply the queries and keys first (the factors'
-            # dense array first, so the product is dense too): only the values are copied.
-            v_b = dense(xp, v_b)
-        elif strided:
-            fq, fk, v_b = (dense(xp, x) for x in (fq, fk, v_b))
-        if accelerator and decay_b is not None:  # the gate's cumulative sums and scalings too
-            decay_b = dense(xp, decay_b)
-        out, S, z = _block(
-            xp, fq, fk, v_b, decay_b, S, z, causal, eps=eps, normalize=normalize, chained=eager
-        )
-        outputs.append(out)
-    out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
-    return out, S, z[..., 0]
+
+    def per_head() -> tuple[Any, Any, Any]:
+        state, norm = S, z
+        causal = causal_mask(xp, chunk, chunk, dev)
+        outputs = []
+        # A strided block (cut from a longer sequence, or on an accelerator fla's (B, T, H, d)
+        # read as (B, H, T, d)): copied once here, not by every matmul (_backend.ops.dense).
+        accelerator = eager_accelerator(xp, dev)
+        strided = block < T or accelerator
+        pieces = (split_rows(xp, x, block, T) for x in (q, k, v, mask, log_decay))
+        for q_b, k_b, v_b, mask_b, decay_b in zip(*pieces):
+            fq, fk = features(q_b, k_b, mask_b)
+            if strided and channels and eager:
+                # A per-channel gate's factors multiply the queries and keys first (the
+                # factors' dense array first, so the product is dense too): only the values
+                # are copied.
+                v_b = dense(xp, v_b)
+            elif strided:
+                fq, fk, v_b = (dense(xp, x) for x in (fq, fk, v_b))
+            if accelerator and decay_b is not None:  # the gate's sums and scalings too
+                decay_b = dense(xp, decay_b)
+            out, state, norm = _block(
+                xp, fq, fk, v_b, decay_b, state, norm, causal, eps=eps, normalize=normalize,
+                chained=eager,
+            )  # fmt: skip
+            outputs.append(out)
+        out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
+        return out, state, norm[..., 0]
+
+    if log_decay is None or channels:
+        return per_head()
+    # A per-head scalar gate on queries and keys shared by the heads: the heads as columns
+    # where that applies (_forms/linear/grouped.py), else per head.
+    return grouped_chunked(
+        xp, features, q, k, v, S, z[..., 0], mask=mask, log_decay=log_decay, chunk=chunk,
+        eps=eps, normalize=normalize, otherwise=per_head,
+    )
 
 
 def _block(
