@@ -25,7 +25,9 @@ per-token ``exp(g_t)``; after the last level they are the ``exp(b)``, ``exp(B - 
 ``exp(B)`` of the formulas above; on eager CPU backends such chunks are at most
 :func:`channel_chunk` tokens long (fewer levels where the state, not the levels, dominates).
 Both constructions live in :mod:`polylin._forms.common.intra_chunk`, shared with the delta
-rule's chunked form.
+rule's chunked form. A scalar gate per head on queries and keys shared by the heads (Mamba-2's
+scan) runs with the heads as columns where its bound holds
+(:mod:`polylin._forms.linear.grouped`).
 
 The normalizer's running sum ``z`` is carried like one more column of ``S`` (as if V had a
 column of ones: the increments get the column sums of K, the intra-chunk normalizers the row
@@ -83,7 +85,6 @@ __all__ = ["BLOCK_BYTES", "block_tokens", "causal_chunked", "channel_chunk"]
 #: faster than 1, 4 and 8 MiB (larger blocks spill the cache, smaller ones pay more
 #: per-operation overhead); on one thread 1 MiB is up to 10% faster.
 BLOCK_BYTES = 2 * 2**20
-
 
 #: ``features(q, k, mask)`` returns ``(phi(q), phi(k))`` of one block of tokens in the work
 #: dtype, masked keys already zeroed (``mask`` is that block of the attention mask, or None).
