@@ -460,6 +460,22 @@ def test_torch_compile_fullgraph(name, rng) -> None:
     torch.testing.assert_close(step(x[:, 0], cache)[0], layer.step(x[:, 0], want_cache)[0])
 
 
+def test_torch_compile_fullgraph_after_numpy_steps(rng) -> None:
+    """The plain steps keep the plans of their last 8 call signatures; a compiled step traced
+    while that cache is full of NumPy calls looks nothing up (Dynamo could not compare a NumPy
+    dtype in the keys when the oldest plan goes)."""
+    from polylin import causal_conv1d_step, step
+
+    for channels in range(1, 11):
+        causal_conv1d_step(np.ones((1, channels)), np.ones((channels, 4)))
+        step(np.ones((1, channels)), np.ones((1, channels)), np.ones((1, 2)))
+    layer, _ = make("mamba2")
+    x = torch.tensor(rng.standard_normal((2, 7, HIDDEN)))
+    _, cache = layer(x, return_cache=True)
+    compiled = torch.compile(layer.step, fullgraph=True, backend="eager", dynamic=False)
+    torch.testing.assert_close(compiled(x[:, 0], cache)[0], layer.step(x[:, 0], cache)[0])
+
+
 def test_bad_input() -> None:
     layer = GatedDeltaNet(hidden_size=HIDDEN, num_heads=2, head_dim=4)
     with pytest.raises(ValueError, match="x must have shape"):

@@ -21,6 +21,7 @@ import numbers
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from .._backend.execution import compiling
 from .._backend.namespace import is_tracer
 
 __all__ = ["PER_CALL", "PlanCache", "PreparedStep", "call_signature"]
@@ -100,7 +101,13 @@ class PlanCache:
         self, plan: Callable[..., tuple[Any, Any]], args: tuple, options: tuple
     ) -> tuple[Any, Any]:
         """``plan(*args)``'s ``(plan, checked)``, or ``(the kept plan, None)`` for a call of a
-        signature and options seen before (``plan`` must close over ``options``)."""
+        signature and options seen before (``plan`` must close over ``options``).
+
+        While ``torch.compile`` traces the call nothing is looked up or kept: the compiled graph
+        holds the plan, and Dynamo cannot compare the keys of other libraries' calls (a NumPy
+        dtype) when the cache is full and its oldest plan goes."""
+        if any(compiling(x) for x in args):
+            return plan(*args)
         key = call_signature(args)
         if key is not None:
             option_key = tuple(map(_option_signature, options))
