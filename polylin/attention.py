@@ -9,7 +9,6 @@ from typing import Any
 from ._backend.execution import scans_tokens, with_derivatives_of
 from ._backend.ops import matmul
 from ._forms.linear.chunked import causal_chunked
-from ._forms.linear.grouped import grouped_chunked
 from ._forms.linear.quadratic import quadratic
 from ._forms.linear.recurrent import causal_recurrent
 from ._inputs.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
@@ -254,19 +253,9 @@ def _scanned_chunked(
     of the chunked form (``fq``, ``fk`` mapped and masked already)."""
 
     def scanned(fq: Array, fk: Array, v: Array, S: Array, z: Array, g: Array | None) -> Any:
-        def tokens() -> Any:
-            return causal_recurrent(
-                xp, fq, fk, v, S, z, eps=eps, log_decay=g, normalize=normalize, scanned=True
-            )
-
-        if g is None:
-            return tokens()
-        # Mamba-2's grouped heads: the chunked form with the heads as columns where the gate is
-        # within its bound, chosen inside the program; the scan over tokens otherwise.
-        return grouped_chunked(
-            xp, lambda q, k, _: (q, k), fq, fk, v, S, z, mask=None, log_decay=g,
-            chunk=min(chunk_size, v.shape[-2]), eps=eps, normalize=normalize, otherwise=tokens,
-        )  # fmt: skip
+        return causal_recurrent(
+            xp, fq, fk, v, S, z, eps=eps, log_decay=g, normalize=normalize, scanned=True
+        )
 
     def chunked(fq: Array, fk: Array, v: Array, S: Array, z: Array, g: Array | None) -> Any:
         return causal_chunked(

@@ -24,9 +24,8 @@ from polylin.testing import Backend
 
 from .reference import decayed_loop
 
-#: Where the form runs: read from the gate's values, or chosen inside the program (the tests run
-#: JAX's entry points under ``jax.jit``, on the CPU).
-COLUMNS = (Backend.NUMPY, Backend.ARRAY_API_STRICT, Backend.TORCH, Backend.JAX)
+#: Where the form runs: where the gate's values are read (eager CPU backends).
+COLUMNS = (Backend.NUMPY, Backend.ARRAY_API_STRICT, Backend.TORCH)
 B, T, GROUPS, HEADS, N, D_V = 2, 45, 2, 3, 6, 4  # chunks of 8: five, the last partial
 
 
@@ -212,43 +211,3 @@ def test_torch_func_transforms(blocks, rng):
     call(C, K, x, g).square().sum().backward()
     assert blocks[0] == B + 1
     torch.testing.assert_close(gradient, x.grad, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("strength", [0.5, 12.0], ids=["bounded", "strong"])
-def test_jax_jit_chooses_inside_the_program(strength, monkeypatch, rng):
-    """Under ``jax.jit`` on the CPU the columns are chosen by a ``cond`` of the compiled program,
-    for the forward (instead of the scan over tokens) and the derivatives (instead of the
-    per-head chunks): values and gradients equal those without the choice, for a gate inside
-    the bound and one beyond it, and the float64 loop's."""
-    if Backend.JAX.unavailable_reason():
-        pytest.skip(Backend.JAX.unavailable_reason())
-    import jax
-
-    if jax.default_backend() != "cpu":
-        pytest.skip("the choice inside the program is made for the CPU only")
-    arrays = mamba2_inputs(rng, scale=strength)[:4]
-    assert within_span(np, to_heads_first(arrays[3]), 8) == (strength < 1)
-    C, K, x, g = (jax.numpy.asarray(a) for a in arrays)
-
-    def call(C, K, x, g):
-        return causal_linear_attention(
-            C, K, x, identity, chunk_size=8, log_decay=g, normalize=False, seq_axis=1
-        )
-
-    def loss(C, K, x, g):
-        return jax.numpy.sum(call(C, K, x, g) ** 2)
-
-    gradient = jax.grad(loss, argnums=(0, 1, 2, 3))
-    assert "cond" in str(jax.make_jaxpr(call)(C, K, x, g))
-    assert "cond" in str(jax.make_jaxpr(gradient)(C, K, x, g))
-    got = jax.jit(call)(C, K, x, g), jax.jit(gradient)(C, K, x, g)
-    monkeypatch.setattr(grouped, "branches_in_program", lambda xp, x: False)
-    jax.clear_caches()  # JAX reuses the scan bodies it traced before
-    assert "cond" not in str(jax.make_jaxpr(gradient)(C, K, x, g))
-    want = jax.jit(call)(C, K, x, g), jax.jit(gradient)(C, K, x, g)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-11)
-    exact, _, _ = decayed_loop(*(to_heads_first(a) for a in arrays), normalize=False)
-    np.testing.assert_allclose(
-        np.asarray(got[0]), np.moveaxis(exact, -2, 1), rtol=1e-10, atol=1e-10
-    )

@@ -62,8 +62,6 @@ __all__ = [
     "half_factors",
     "half_products",
     "half_products_into",
-    "span_bound",
-    "spans",
     "sum_after",
     "within_span",
 ]
@@ -90,33 +88,28 @@ def _outward(xp: Any, G: Any) -> tuple[Any, Any]:
     return first, cumulative_sum(xp, halves[..., middle:, :], axis=-2)
 
 
-def spans(xp: Any, G: Any, chunk: int) -> bool:
-    """Whether :func:`half_factors` can apply to a gate ``G`` ``(..., T, 1 or W)`` in chunks of
-    ``chunk`` tokens, its values aside: a multiple of 4, float32 or float64, not empty."""
-    return chunk % 4 == 0 and G.dtype in (xp.float32, xp.float64) and 0 not in G.shape
+def within_span(xp: Any, G: Any, chunk: int) -> bool:
+    """Whether :func:`half_factors` applies to the gate ``G`` ``(..., T, w)`` in chunks of
+    ``chunk`` tokens (zero log decays pad the last chunk): a multiple of 4, float32 or
+    float64, and no ``|e_t|`` above ``FACTORED_SPAN`` (a ``nan``: False). Reads the gate's
+    values: False where that cannot be done
+    (:func:`~polylin._backend.execution.reads_values`: traced, lazy and accelerator arrays,
+    ``torch.func`` transforms).
 
-
-def span_bound(xp: Any, G: Any, chunk: int) -> Any:
-    """Whether no ``|e_t|`` of ``G`` (:func:`spans`) exceeds ``FACTORED_SPAN``, as a boolean
-    array (a ``nan``: False; zero log decays pad the last chunk). ``|e_t|`` is largest at a
-    quarter chunk's far end, where it is that quarter's whole log decay."""
+    ``|e_t|`` is largest at a quarter chunk's far end, where it is that quarter's whole log
+    decay; every quarter sums ``C / 4`` log decays, so the largest decay alone admits most
+    gates, and the quarters' sums are computed only where it does not.
+    """
+    if (chunk % 4 or G.dtype not in (xp.float32, xp.float64) or 0 in G.shape
+            or not reads_values(xp, G)):  # fmt: skip
+        return False
+    if bool(xp.max(-G) * (chunk // 4) <= FACTORED_SPAN):  # a nan: False
+        return True
     length, quarter = G.shape[-2], chunk // 4
     n = -(-length // quarter)
     padded = pad_rows(xp, G, n * quarter - length)
     quarters = xp.sum(xp.reshape(padded, (*G.shape[:-2], n, quarter, G.shape[-1])), axis=-2)
-    return xp.max(-quarters) <= FACTORED_SPAN
-
-
-def within_span(xp: Any, G: Any, chunk: int) -> bool:
-    """:func:`span_bound` read as a Python bool, where the gate's values can be read
-    (:func:`~polylin._backend.execution.reads_values`; else False). Every quarter sums
-    ``C / 4`` log decays, so the largest decay alone admits most gates, and the quarters' sums
-    are computed only where it does not."""
-    if not (spans(xp, G, chunk) and reads_values(xp, G)):
-        return False
-    if bool(xp.max(-G) * (chunk // 4) <= FACTORED_SPAN):  # a nan: False
-        return True
-    return bool(span_bound(xp, G, chunk))
+    return bool(xp.max(-quarters) <= FACTORED_SPAN)
 
 
 def half_factors(xp: Any, G: Any) -> HalfFactors:

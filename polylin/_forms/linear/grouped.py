@@ -18,13 +18,14 @@ of the chunked form, with ``b`` and ``B`` per head::
     U_n = K_n^T (V_n * exp(B_n - b))          S_{n+1} = exp(B_n) S_n + U_n
     O_n = (Q_n S_n) * exp(b) + Y_n            (Y_n: the factored intra-chunk products)
 
-It applies where the gate varies along a leading axis along which the queries, the keys and the
-mask do not, the sequence has at least :data:`MIN_CHUNKS` chunks, and every chunk's factors are
-within the span (:func:`~polylin._forms.common.scalar_gate.within_span`): eager CPU backends
-read the gate's values to choose, and under ``jax.jit`` for the CPU the compiled program
-chooses (a ``lax.cond``), for the forward instead of the scan over tokens and for the
-derivatives instead of the per-head chunks. Elsewhere
-:func:`~polylin._forms.linear.chunked.causal_chunked` runs its own form.
+It serves eager CPU backends (the factoring reads the gate's values) where the gate varies along
+a leading axis along which the queries, the keys and the mask do not, the sequence has at least
+:data:`MIN_CHUNKS` chunks, and every chunk's factors are within the span
+(:func:`~polylin._forms.common.scalar_gate.within_span`); elsewhere
+:func:`~polylin._forms.linear.chunked.causal_chunked` runs its own form. (Under ``jax.jit``,
+chosen inside the program by a ``lax.cond``, it took 0.43-1.27x the forward time of the scan
+over tokens and 0.40-1.09x the gradient's time of the per-head chunks, and 3-5x the time to
+compile: left out.)
 """
 
 from __future__ import annotations
@@ -33,13 +34,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..._backend.execution import (
-    adds_in_place,
-    branch,
-    branches_in_program,
-    eager_cpu,
-    reads_values,
-)
+from ..._backend.execution import adds_in_place, reads_values
 from ..._backend.namespace import device
 from ..._backend.ops import (
     broadcast_shape,
@@ -56,8 +51,6 @@ from ..common.scalar_gate import (
     half_factors,
     half_products,
     half_products_into,
-    span_bound,
-    spans,
     sum_after,
     within_span,
 )
@@ -94,15 +87,12 @@ def grouped_chunked(
 ) -> tuple[Any, Any, Any]:
     """:func:`~polylin._forms.linear.chunked.causal_chunked`'s ``(out, S, z)`` for a scalar
     gate ``log_decay`` ``(..., T or 1, 1)`` and heads that share their queries and keys, where
-    this form applies (module docstring), else ``otherwise()``: read from the gate's values on
-    eager CPU backends, chosen inside the program under ``jax.jit`` for the CPU
-    (:func:`~polylin._backend.execution.branch`). ``S`` ``(..., d_phi, d_v)`` and ``z``
-    ``(..., d_phi)`` have the broadcast leading dimensions. The sequence runs in blocks of about
-    :data:`BLOCK_BYTES` of values where the library runs each operation at once, else in one.
+    this form applies (module docstring), else ``otherwise()``. ``S`` ``(..., d_phi, d_v)``
+    and ``z`` ``(..., d_phi)`` have the broadcast leading dimensions. The sequence runs in
+    blocks of about :data:`BLOCK_BYTES` of values.
     """
     length, d_v = v.shape[-2:]
-    if (log_decay.shape[-1] != 1 or length < MIN_CHUNKS * chunk
-            or not spans(xp, log_decay, chunk)):  # fmt: skip
+    if log_decay.shape[-1] != 1 or length < MIN_CHUNKS * chunk or not reads_values(xp, v):
         return otherwise()
     lead = tuple(S.shape[:-2])
     rank = len(lead)
@@ -130,48 +120,38 @@ def grouped_chunked(
     def squeeze(x: Any) -> Any:  # the heads' axes (all 1) dropped
         return xp.reshape(x, (*(x.shape[i] for i in others), *x.shape[-2:]))
 
+    if not within_span(xp, log_decay, chunk):
+        return otherwise()
+    G = fold(log_decay)[..., 0]  # (*outer, T, width)
+    values = xp.reshape(fold(v), (*outer, length, width * d_v))
+    state = xp.reshape(fold(S), (*outer, S.shape[-2], width * d_v))
+    norm = xp.reshape(fold(z[..., None]), (*outer, z.shape[-1], width))
+    rows = [squeeze(q), squeeze(k), values, None if mask is None else squeeze(mask), G]
+    itemsize = xp.finfo(values.dtype).bits // 8
+    block = chunk * max(1, BLOCK_BYTES // (chunk * math.prod(outer) * width * d_v * itemsize))
+    causal = causal_mask(xp, chunk, chunk, device(v))
+    outputs = []
+    for q_b, k_b, v_b, mask_b, g_b in zip(*(split_rows(xp, x, block, length) for x in rows)):
+        fq, fk = features(q_b, k_b, mask_b)
+        fq, fk, v_b = (dense(xp, x) for x in (fq, fk, v_b))
+        out, state, norm = _block(
+            xp, fq, fk, v_b, g_b, state, norm, causal, eps=eps, normalize=normalize
+        )
+        outputs.append(out)
+    out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
+
     def unfold(x: Any) -> Any:  # (*outer, r, width * c) -> (*lead, r, c)
         rows, columns = x.shape[-2], x.shape[-1] // width
         x = xp.reshape(x, (*outer, rows, *(lead[i] for i in heads), columns))
         order = [*others, rank, *heads, rank + 1]  # the axes of x, by their place in lead
         return xp.permute_dims(x, tuple(order.index(i) for i in range(rank + 2)))
 
-    eager = eager_cpu(xp, device(v))
-
-    def columns() -> tuple[Any, Any, Any]:
-        G = fold(log_decay)[..., 0]  # (*outer, T, width)
-        values = xp.reshape(fold(v), (*outer, length, width * d_v))
-        state = xp.reshape(fold(S), (*outer, S.shape[-2], width * d_v))
-        norm = xp.reshape(fold(z[..., None]), (*outer, z.shape[-1], width))
-        rows = [squeeze(q), squeeze(k), values, None if mask is None else squeeze(mask), G]
-        block = length
-        if eager:
-            itemsize = xp.finfo(values.dtype).bits // 8
-            chunk_bytes = chunk * math.prod(outer) * width * d_v * itemsize
-            block = chunk * max(1, BLOCK_BYTES // chunk_bytes)
-        causal = causal_mask(xp, chunk, chunk, device(v))
-        outputs = []
-        for q_b, k_b, v_b, mask_b, g_b in zip(*(split_rows(xp, x, block, length) for x in rows)):
-            fq, fk = features(q_b, k_b, mask_b)
-            fq, fk, v_b = (dense(xp, x) for x in (fq, fk, v_b))
-            out, state, norm = _block(
-                xp, fq, fk, v_b, g_b, state, norm, causal, eps=eps, normalize=normalize,
-                chained=eager,
-            )  # fmt: skip
-            outputs.append(out)
-        out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
-        return unfold(out), unfold(state), unfold(norm)[..., 0]
-
-    if reads_values(xp, log_decay):
-        return columns() if within_span(xp, log_decay, chunk) else otherwise()
-    if branches_in_program(xp, log_decay):
-        return branch(span_bound(xp, log_decay, chunk), columns, otherwise)
-    return otherwise()
+    return unfold(out), unfold(state), unfold(norm)[..., 0]
 
 
 def _block(
     xp: Any, fq: Any, fk: Any, v: Any, G: Any, S: Any, z: Any, causal: Any, *,
-    eps: float, normalize: bool, chained: bool,
+    eps: float, normalize: bool,
 ) -> tuple[Any, Any, Any]:
     """One block: ``fq``, ``fk`` ``(..., L, d_phi)``, ``v`` ``(..., L, width x d_v)``, ``G``
     ``(..., L, width)``; ``S`` ``(..., d_phi, width x d_v)`` and ``z`` ``(..., d_phi, width)``
@@ -199,7 +179,7 @@ def _block(
     P = keep_lower(xp, matmul(xp, Q, Kt), causal, fresh=True)
     factors = half_factors(xp, G)
     decay = flat(xp.broadcast_to(whole, (*whole.shape[:-1], d_v)))
-    states, S = chunk_prefix(xp, matmul(xp, Kt, flat(V * after)), decay, S, chained=chained)
+    states, S = chunk_prefix(xp, matmul(xp, Kt, flat(V * after)), decay, S, chained=True)
     reads = xp.reshape(matmul(xp, Q, states), V.shape)  # Q_n S_n
     if into:
         out = half_products_into(xp, factors, P, V, reads)
@@ -208,7 +188,7 @@ def _block(
         out = reads * before + half_products(xp, factors, P, V)
     out = xp.reshape(out, (*out.shape[:-4], padded, width * d_v))[..., :length, :]
     z_states, z = chunk_prefix(
-        xp, matmul(xp, Kt, after[..., 0]), whole[..., 0], z, chained=chained
+        xp, matmul(xp, Kt, after[..., 0]), whole[..., 0], z, chained=True
     )
     if not normalize:
         return out, S, z
