@@ -674,8 +674,9 @@ def test_seq_axis_with_cu_seqlens_and_bad_ranks(rng):
 def test_blocks_grow_with_torch_threads(form, monkeypatch):
     """On PyTorch the delta rules' blocks hold a budget per thread (``_policy.cpu_threads``):
     three threads walk the sequence in a third of the blocks of one thread, to the same
-    result. The delta rule reads its outputs inside the loop over chunks on one thread and in
-    two batched products after it on more: the two read-outs agree."""
+    result. The delta rule reads its outputs inside the loop over chunks on one thread, and on
+    more without a gradient to record; with one, in two batched products after the loop: the
+    read-outs agree."""
     torch = pytest.importorskip("torch")
     import polylin._forms.dplr.chunked
 
@@ -695,23 +696,25 @@ def test_blocks_grow_with_torch_threads(form, monkeypatch):
     k = torch.nn.functional.normalize(k, dim=-1)
     beta = torch.rand(1, 96, 1, generator=g, dtype=torch.float64)
 
-    def call() -> torch.Tensor:
+    def call(grad: bool) -> torch.Tensor:
+        query = q.clone().requires_grad_(grad)
         if form == "delta":
-            return polylin.delta_rule_attention(q, k, v, beta, chunk_size=8)
-        return polylin.dplr_delta_rule(q, k, v, -k * beta, k * beta, chunk_size=8)
+            return polylin.delta_rule_attention(query, k, v, beta, chunk_size=8).detach()
+        return polylin.dplr_delta_rule(query, k, v, -k * beta, k * beta, chunk_size=8).detach()
 
     before = torch.get_num_threads()
     results, counts, read_outs = [], [], []
     try:
-        for threads in (1, 3):
+        for threads, grad in ((1, False), (3, False), (3, True)):
             torch.set_num_threads(threads)
             blocks.clear()
-            results.append(call())
+            results.append(call(grad))
             counts.append(len(blocks))
             read_outs.append(set(blocks))
     finally:
         torch.set_num_threads(before)
-    assert counts == [6, 2]  # 96 tokens in blocks of 16, then of 48
-    if form == "delta":
-        assert read_outs == [{True}, {False}]  # in the loop on one thread only
-    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-12)
+    assert counts == [6, 2, 2]  # 96 tokens in blocks of 16, then of 48
+    if form == "delta":  # in the loop but on more threads with a gradient to record
+        assert read_outs == [{True}, {True}, {False}]
+    for result in results[1:]:
+        torch.testing.assert_close(result, results[0], rtol=1e-12, atol=1e-12)

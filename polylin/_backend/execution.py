@@ -43,6 +43,7 @@ __all__ = [
     "materialized",
     "outside_graph",
     "reads_values",
+    "records_gradient",
     "rows_in_whole_chunks",
     "scan",
     "scans_chunks",
@@ -89,10 +90,20 @@ def adds_in_place(*arrays: Any) -> bool:
     ``torch.func`` transforms, with gradient mode off or none of ``arrays`` requiring one.
     (Accumulating into a scaled fresh array that way measured faster forward but slower to
     differentiate: :mod:`polylin._forms.linear.grouped`.)"""
-    x = arrays[0]
-    if torch_namespace_of(x) is None or torch_transforming(x):
+    return torch_namespace_of(arrays[0]) is not None and not records_gradient(*arrays)
+
+
+def records_gradient(*arrays: Any) -> bool:
+    """Whether a computation on ``arrays`` (``None`` entries skipped) may be recorded for a
+    gradient: PyTorch tensors with gradient mode on and one of them requiring a gradient, or
+    inside a ``torch.func`` transform (which may differentiate). Never for other libraries:
+    NumPy and array-api-strict have no gradients, JAX's are taken from a traced program."""
+    given = [x for x in arrays if x is not None]
+    if torch_namespace_of(given[0]) is None:
         return False
-    return not (torch_module().is_grad_enabled() and any(a.requires_grad for a in arrays))
+    if torch_transforming(given[0]):
+        return True
+    return torch_module().is_grad_enabled() and any(x.requires_grad for x in given)
 
 
 def torch_transforming(x: Any) -> bool:

@@ -43,6 +43,7 @@ __all__ = [
     "native_elu_plus_one",
     "nonpositive",
     "pad_rows",
+    "reciprocal",
     "split_rows",
     "stack_leading",
     "unit_lower_solver",
@@ -356,6 +357,14 @@ def add_scaled(xp: Any, c: Any, a: Any, b: Any) -> Any:
     if torch_namespace_of(c) is not None:
         return torch_module().addcmul(c, a, b)
     return c + a * b
+
+
+def reciprocal(xp: Any, x: Any) -> Any:
+    """``1 / x``: PyTorch's ``reciprocal``, one pass (its ``1 / x`` is a reciprocal and then a
+    multiplication by the 1)."""
+    if torch_namespace_of(x) is not None:
+        return x.reciprocal()
+    return 1.0 / x
 
 
 def add_matmul(xp: Any, c: Any, a: Any, b: Any, *, fresh: bool = False) -> Any:

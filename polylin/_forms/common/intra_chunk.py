@@ -75,6 +75,7 @@ from ..._backend.ops import (
     cumulative_sum,
     keep_lower,
     matmul,
+    reciprocal,
     stack_leading,
     unit_lower_solver,
     unstack,
@@ -359,39 +360,55 @@ def _factored(
     in_program = branches_in_program(xp, G)
     if not (in_program or reads_values(xp, G)):
         return None
-    middle = G.shape[-2] // 2  # m + 1: tokens up to the middle token m, then after it
-    # e_t = sum_{m<r<=t} g_r after m, -sum_{t<r<=m} g_r before it: each a running sum of its
-    # own terms outward from m.
-    first = xp.flip(cumulative_sum(xp, xp.flip(G[..., :middle, :], axis=-2), axis=-2), axis=-2)
-    second = cumulative_sum(xp, G[..., middle:, :], axis=-2)
-    bounded = xp.max(-(first[..., :1, :] + second[..., -1:, :])) <= FACTORED_SPAN  # nan: False
+    outward = _outward_sums(xp, G)
+    # The chunk's decay -B = -(b_m + (B - b_m)) = e_{-1} - e_{C-1}, per channel (nan: False)
+    bounded = xp.max(outward[..., 0, :] - outward[..., -1, :]) <= FACTORED_SPAN
     if in_program:
         return branch(
             bounded,
-            lambda: _through_middle(xp, key_sets, first, second, rows, kinds, reads),
+            lambda: _through_middle(xp, key_sets, outward, rows, kinds, reads),
             lambda: _levels(xp, key_sets, G, rows, kinds, reads),
         )
     if not bool(bounded):
         return None
-    return _through_middle(xp, key_sets, first, second, rows, kinds, reads)
+    return _through_middle(xp, key_sets, outward, rows, kinds, reads)
+
+
+def _outward_sums(xp: Any, G: Any) -> Any:
+    """``(..., C + 1, w)``: the gate's running sums outward from the middle token
+    ``m = C / 2 - 1``, ``e_{t-1}`` for ``t = 0..C``: ``e_t = sum_{m<r<=t} g_r`` after ``m``,
+    ``-sum_{t<r<=m} g_r`` before it (``e_{-1} = -b_m``, ``e_{C-1} = B - b_m``).
+
+    One matrix product of a constant ``(C + 1, C)`` matrix of 0 and +-1 with ``G``: each row
+    the sum of its own terms, as a running sum would add them, in one batched product instead
+    of two running sums, two reversals, a negation and a join (a block of GLA's gate,
+    ``(1, 32, 4, 32, 64)``, one thread: PyTorch 0.4-0.6x the time, NumPy 0.3x). A term that is
+    not finite makes every sum of its channel ``nan`` (``0 * inf``): the bound then fails.
+    """
+    chunk = G.shape[-2]
+    middle = chunk // 2 - 1
+    dev = device(G)
+    t = xp.arange(-1, chunk, device=dev)[:, None]  # e_t for t = -1..C-1
+    r = xp.arange(chunk, device=dev)[None, :]
+    after = xp.astype((middle < r) & (r <= t), G.dtype)
+    before = xp.astype((t < r) & (r <= middle), G.dtype)
+    return matmul(xp, after - before, G)
 
 
 def _through_middle(
-    xp: Any, key_sets: list[Any], first: Any, second: Any, rows: Sequence[tuple[Any, Any]],
+    xp: Any, key_sets: list[Any], outward: Any, rows: Sequence[tuple[Any, Any]],
     kinds: list[list[str]], reads: list[bool],
 ) -> _Parts:
-    """:func:`_factored`'s construction from the running sums of the gate outward from the
-    middle token m: ``first`` (up to m, ``(..., m + 1, w)``) and ``second`` (after it)."""
-    first_half, second_half = first[..., :1, :], second[..., -1:, :]
-    zero = xp.zeros_like(first_half)
-    # e_{t-1} for t = 0..C (e_{-1}: the first half's whole decay, negated)
-    outward = concat_leading(xp, [-first, zero, second], axis=-2)
-    grows, shrinks = xp.exp(outward), xp.exp(-outward[..., 1:, :])  # exp(e), exp(-e)
-    to_start, to_end = xp.exp(first_half), xp.exp(second_half)  # exp(b_m), exp(B - b_m)
+    """:func:`_factored`'s construction from the gate's running sums outward from the middle
+    token m, ``e_{t-1}`` for ``t = 0..C`` (:func:`_outward_sums`)."""
+    grows = xp.exp(outward)  # exp(e_{t-1}), t = 0..C
+    inverse = reciprocal(xp, grows)  # exp(-e_{t-1}); the first row exp(b_m) (within exp(16))
+    shrinks, to_start = inverse[..., 1:, :], inverse[..., :1, :]  # exp(-e), exp(b_m)
+    to_end = grows[..., -1:, :]  # exp(B - b_m)
     chunk = outward.shape[-2] - 1
-    lower = causal_mask(xp, chunk, chunk, device(first))
-    strict = causal_mask(xp, chunk, chunk, device(first), strict=True)
-    solve = unit_lower_solver(xp, first)  # PyTorch, XLA under jit: a batched triangular solve
+    lower = causal_mask(xp, chunk, chunk, device(outward))
+    strict = causal_mask(xp, chunk, chunk, device(outward), strict=True)
+    solve = unit_lower_solver(xp, outward)  # PyTorch, XLA under jit: a batched triangular solve
     met = [shrinks * key for key in key_sets]  # k_s exp(-e_s)
     matrices, decayed = [], []
     for (R, _), row_kinds, read in zip(rows, kinds, reads):

@@ -40,7 +40,14 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from ..._backend.execution import cpu_threads, eager_accelerator, eager_cpu, scan, scans_chunks
+from ..._backend.execution import (
+    cpu_threads,
+    eager_accelerator,
+    eager_cpu,
+    records_gradient,
+    scan,
+    scans_chunks,
+)
 from ..._backend.namespace import device
 from ..._backend.ops import (
     add_matmul,
@@ -225,8 +232,10 @@ def delta_chunked(
             for block in blocks
         ]
     pieces: list[Any] = []  # (..., chunks, C, d_v) each: all joined by one concatenation
+    # The read-out in the chunk loop (_block) on one thread, and on more without a gradient.
+    in_loop = eager and (threads == 1 or not records_gradient(q, k, v, beta, g, S))
     for block in blocks:
-        S, outputs = block_outputs(S, block, eager and threads == 1)
+        S, outputs = block_outputs(S, block, in_loop)
         pieces.extend(outputs)
     out = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-3)
     out = xp.reshape(out, (*out.shape[:-3], padded, out.shape[-1]))
@@ -306,11 +315,14 @@ def _block(
     # state update remain (T applied once, to the sum, not to each term before the loop).
     operands = (inverse, V * B, keys_rhs, xp.matrix_transpose(blocks.keys))
     decay = None if blocks.whole is None else xp.matrix_transpose(blocks.whole)  # (..., N, w, 1)
-    # Read-out: on one CPU thread (eager) each chunk's O_n = Q_n S_n + P_n W_n in the loop,
-    # while S_n and W_n are in cache (no stacked copy of the states, d_k x d_v per chunk);
-    # elsewhere two batched products after it: fewer, larger operations, which more threads
-    # split better (forward + backward on two threads: a median of 0.92x the in-loop time
-    # over ten alternating runs, 0.87-1.15x) and a graph that grows less with T.
+    # Read-out: on eager CPU backends, on one thread or without a gradient to record, each
+    # chunk's O_n = Q_n S_n + P_n W_n in the loop, while S_n and W_n are in cache (no stacked
+    # copy of the states, d_k x d_v per chunk: 16 MiB per block of eight chunks at 32 x 128;
+    # forward on two threads 0.86x the time of the batched read-out at 32 x 128, T >= 512,
+    # 0.95-0.97x at 16 x 64 and KDA); elsewhere two batched products after it: fewer, larger
+    # operations, which more threads split better with a gradient to record (forward and
+    # backward on two threads: a median of 0.92x the in-loop time over ten alternating runs,
+    # 0.87-1.15x) and a graph that grows less with T.
     if not in_loop:  # (..., N, d_k, d_v) the state before each chunk, (..., N, C, d_v) W
         (starts, W), S = chunk_loop(xp, partial(_chunk_step, xp), S, [*operands, decay])
         return [add_matmul(xp, matmul(xp, queries, starts), scores, W, fresh=True)], S
@@ -320,7 +332,7 @@ def _block(
     outputs = []
     for n in range(len(Ts)):
         S_next, (_, W) = _chunk_step(xp, S, Ts[n], BVs[n], Rs[n], Ks[n], decays[n])
-        outputs.append((matmul(xp, Qs[n], S) + matmul(xp, Ps[n], W))[..., None, :, :])
+        outputs.append(add_matmul(xp, matmul(xp, Qs[n], S), Ps[n], W, fresh=True)[..., None, :, :])
         S = S_next
     return outputs, S
 
