@@ -718,3 +718,62 @@ def test_blocks_grow_with_torch_threads(form, monkeypatch):
         assert read_outs == [{True}, {True}, {False}]
     for result in results[1:]:
         torch.testing.assert_close(result, results[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
+def test_fused_chunk_loop_matches_the_array_api_loop(rng, monkeypatch, gate):
+    """On one PyTorch thread the loop over chunks with the read-out inside runs as products of
+    three-dimensional views (``_backend.ops.fused_delta_chunks``): the same outputs, final
+    state and gradients as the array-API loop, inside ``torch.func.grad`` too (where nothing
+    is written in place); grouped heads (leading dimensions that broadcast) keep the array-API
+    loop."""
+    torch = needs(Backend.TORCH)
+    chunked = polylin._forms.delta.chunked
+    fused = chunked.fused_delta_chunks
+    taken: list[bool] = []
+
+    def spy(*args):
+        result = fused(*args)
+        taken.append(result is not None)
+        return result
+
+    q, k, v, beta, log_decay = make_inputs(rng, lead=(2, 3), length=40, d_k=8, d_v=6)
+    if gate == "channel":
+        log_decay = -rng.uniform(0.0, 0.7, k.shape)
+    arrays = [q, k, v, beta] + ([] if gate is None else [log_decay])
+    S0 = rng.standard_normal((2, 3, 8, 6))
+    weight = torch.tensor(rng.standard_normal((2, 3, 40, 6)))
+
+    def loss(q, *rest):
+        *inputs, S = rest
+        gates = {} if gate is None else {"log_decay": inputs[3]}
+        out, state = delta_rule_attention(
+            q, *inputs[:3], **gates, initial_state=S, chunk_size=8, return_state=True
+        )
+        return (out * weight).sum() + state.square().sum(), out, state
+
+    def run_loop(use_fused: bool):
+        monkeypatch.setattr(chunked, "fused_delta_chunks", spy if use_fused else lambda *a: None)
+        xs = [torch.tensor(a, requires_grad=True) for a in [*arrays, S0]]
+        total, out, state = loss(*xs)
+        grads = torch.autograd.grad(total, xs)
+        in_transform = torch.func.grad(lambda x: loss(x, *xs[1:])[0])(xs[0].detach())
+        return [out.detach(), state.detach(), *grads, in_transform]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        fast, loop = run_loop(True), run_loop(False)
+        assert taken and all(taken)
+        for a, b in zip(fast, loop):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        taken.clear()
+        monkeypatch.setattr(chunked, "fused_delta_chunks", spy)
+        rest = [torch.tensor(a) for a in arrays[1:4]]
+        shared = torch.tensor(q[:, :1])  # one query per group of three heads
+        grouped = delta_rule_attention(shared, *rest, chunk_size=8)
+        assert taken and not any(taken)
+        want = delta_rule_attention(shared.expand(q.shape).contiguous(), *rest, chunk_size=8)
+        torch.testing.assert_close(grouped, want, rtol=1e-12, atol=1e-12)
+    finally:
+        torch.set_num_threads(before)

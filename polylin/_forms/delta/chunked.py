@@ -54,6 +54,7 @@ from ..._backend.ops import (
     causal_mask,
     cumulative_sum,
     dense,
+    fused_delta_chunks,
     keep_lower,
     l2_normalize,
     matmul,
@@ -326,6 +327,9 @@ def _block(
     if not in_loop:  # (..., N, d_k, d_v) the state before each chunk, (..., N, C, d_v) W
         (starts, W), S = chunk_loop(xp, partial(_chunk_step, xp), S, [*operands, decay])
         return [add_matmul(xp, matmul(xp, queries, starts), scores, W, fresh=True)], S
+    fused = fused_delta_chunks(S, *operands, decay, queries, scores)
+    if fused is not None:
+        return fused
     Ts, BVs, Rs, Ks = (unstack(xp, x, axis=-3) for x in operands)
     decays = [None] * len(Ts) if decay is None else unstack(xp, decay, axis=-3)
     Qs, Ps = (unstack(xp, x, axis=-3) for x in (queries, scores))
