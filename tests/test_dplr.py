@@ -665,3 +665,46 @@ def test_benchmark_peer_agrees_and_inputs_are_rwkv7(rng):
     decay = torch.exp(x["log_decay"])
     assert float(decay.min()) > math.exp(-math.exp(0.5)) and float(decay.max()) < 1.0
     assert bench.check_peer(bench.fla_dplr_chunkwise(), {}) < 1e-5
+
+
+@pytest.mark.parametrize("decay", ["none", "per_token", "per_channel"])
+def test_fused_read_out_matches_the_batched_one(rng, monkeypatch, decay):
+    """Without a gradient to record, PyTorch reads each chunk's outputs inside the loop over
+    chunks (``_backend.ops.fused_dplr_chunks``): the same outputs and final state as the
+    read-out after the loop, which a call with a gradient keeps; so do grouped heads whose
+    operands keep broadcasting leading dimensions."""
+    torch = needs(Backend.TORCH)
+    chunked = polylin._forms.dplr.chunked
+    fused = chunked.fused_dplr_chunks
+    taken: list[bool] = []
+
+    def spy(*args):
+        result = fused(*args)
+        taken.append(result is not None)
+        return result
+
+    q, k, v, a, b, log_decay = make_inputs(rng, lead=(2, 3), length=40, decay=decay)
+    arrays = [torch.tensor(x) for x in (q, k, v, a, b)]
+    gate = None if log_decay is None else torch.tensor(log_decay)
+    S0 = torch.tensor(rng.standard_normal((2, 3, D_K, D_V)))
+
+    def call(*xs, use_fused=True, **options):
+        monkeypatch.setattr(chunked, "fused_dplr_chunks", spy if use_fused else lambda *a: None)
+        return dplr_delta_rule(*xs, log_decay=gate, initial_state=S0, chunk_size=8,
+                               return_state=True, **options)  # fmt: skip
+
+    fast, batched = call(*arrays), call(*arrays, use_fused=False)
+    assert taken and all(taken)
+    for got, want in zip(fast, batched):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    taken.clear()
+    query = arrays[0].clone().requires_grad_(True)
+    out, _ = call(query, *arrays[1:])
+    assert not taken  # with a gradient to record: the batched read-out
+    torch.testing.assert_close(out.detach(), fast[0], rtol=1e-12, atol=1e-12)
+    shared = arrays[0][:, :1]  # one query per group of three heads
+    grouped, _ = call(shared, *arrays[1:])
+    if decay == "none":  # a gate per head decays the queries per head: then they have its axes
+        assert taken and not any(taken)
+    want, _ = call(shared.expand(arrays[0].shape).contiguous(), *arrays[1:])
+    torch.testing.assert_close(grouped, want, rtol=1e-12, atol=1e-12)

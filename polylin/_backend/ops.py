@@ -34,6 +34,7 @@ __all__ = [
     "dense",
     "fused_delta_chunks",
     "fused_delta_step",
+    "fused_dplr_chunks",
     "fused_dplr_step",
     "fused_linear_step",
     "fused_step_rows",
@@ -341,6 +342,42 @@ def fused_delta_chunks(
         else:
             state = torch.baddbmm(state * decay_n, K_n, W)
     return outputs, state.reshape(S.shape)
+
+
+def fused_dplr_chunks(
+    S: Any, U: Any, W: Any, B: Any, K: Any, decay: Any | None, Q: Any, QK: Any, V: Any, QB: Any
+) -> tuple[Any, Any] | None:
+    """The generalized delta rule's loop over N chunks with each chunk's read-out inside it, on
+    PyTorch where every operand has the state's leading dimensions: per chunk the reads
+    ``R = U + W S``, the outputs ``O = QK V + Q S + QB R`` and ``S' = decay * S + K + B R``
+    (operands ``(..., N, rows, cols)``: ``QK V`` the outputs' intra-chunk part, ``B`` the decayed
+    ``b`` keys transposed, ``K`` the increment ``K^T V``; ``decay`` ``(..., N, 1 or d_k, 1)`` or
+    None). Returns the outputs ``(..., N, C, d_v)`` and the final state, or ``None`` where this
+    does not apply (the batched read-out runs: :func:`polylin._forms.dplr.chunked._chunks`,
+    which calls this where no gradient is recorded).
+
+    Flattened to three dimensions once, a chunk is three ``baddbmm`` (one in place into the
+    read-out), one in-place ``baddbmm_`` into the ``addcmul`` of decay and increment, and no
+    state is stacked: the batched read-out keeps every chunk's state and reads, ``d_k x d_v``
+    and ``C x d_v`` per chunk, for its products after the loop."""
+    lead = tuple(S.shape[:-2])
+    given = [U, W, B, K, Q, QK, QB] + ([] if decay is None else [decay])
+    if torch_namespace_of(S) is None or any(tuple(x.shape[:-3]) != lead for x in [*given, V]):
+        return None
+    torch = torch_module()
+    given[5] = torch.matmul(QK, V)  # the intra-chunk part of the outputs, for all chunks
+    n = math.prod(lead)
+    chunks = [x.reshape(n, *x.shape[-3:]).unbind(1) for x in given]
+    decays = chunks[7] if decay is not None else [None] * len(chunks[0])
+    state = S.reshape(n, *S.shape[-2:])
+    outputs = []
+    for U_n, W_n, B_n, K_n, Q_n, QV_n, QB_n, decay_n in zip(*chunks[:7], decays):
+        R = torch.baddbmm(U_n, W_n, state)
+        outputs.append(torch.baddbmm(QV_n, Q_n, state).baddbmm_(QB_n, R))
+        kept = state + K_n if decay_n is None else torch.addcmul(K_n, decay_n, state)
+        state = kept.baddbmm_(B_n, R)
+    out = torch.stack(outputs, dim=1)
+    return out.reshape(*lead, *out.shape[1:]), state.reshape(S.shape)
 
 
 def fused_linear_step(
