@@ -389,9 +389,9 @@ def reference(case: Case, x: dict[str, np.ndarray]) -> np.ndarray:
 # -- polylin's calls -------------------------------------------------------------------------
 
 
-#: The delta rules' chunk here: what one CPU thread runs by default (``ONE_THREAD_CHUNK``), and
-#: the faster one at these head sizes with two threads (forward 0.88-0.95x the time of 64) and
-#: compiled (0.66-0.90x, compiling 1.7-4.5x longer: ``docs/delta_rule.md``).
+#: The delta rules' chunk here: what an eager CPU call without a gradient runs by default on
+#: any number of threads (``ONE_THREAD_CHUNK``), and the faster one compiled at these head sizes
+#: (0.66-0.90x the time of 64, compiling 1.7-4.5x longer: ``docs/delta_rule.md``).
 DELTA_CHUNK = 32
 
 

@@ -172,8 +172,9 @@ def test_any_chunk_size(rng, monkeypatch, chunk_size, block_rows):
         (64, 4096, 256, "one CPU thread", 64),  # wider keys: as asked
         (16, 4096, 64, "one CPU thread", 16),  # shorter than the cap: as asked
         (64, 20, 64, "one CPU thread", 32),  # no longer than the sequence, a power of two
-        (64, 4096, 64, "two CPU threads", 64),
-        (48, 4096, 64, "two CPU threads", 64),  # rounded up to a power of two
+        (64, 4096, 64, "two CPU threads, a gradient", 64),  # the read-out after the loop
+        (48, 4096, 64, "two CPU threads, a gradient", 64),  # rounded up to a power of two
+        (64, 4096, 64, "two CPU threads, no gradient", 32),  # the read-out in the loop
         (64, 4096, 64, "lazy", 64),  # Dask, torch.compile, JAX traced for an accelerator
         (64, 4096, 64, "scanned", 32),  # JAX traced for the CPU: one scan over the chunks
         (64, 4096, 256, "scanned", 64),
@@ -182,23 +183,27 @@ def test_any_chunk_size(rng, monkeypatch, chunk_size, block_rows):
     ],
 )
 def test_chunk_length_follows_the_execution(asked, T, d_k, where, want):
-    """The delta rules' chunk length: shorter on one eager CPU thread and in a scan over the
-    chunks (their sequential steps cost less than the products they save), longer on eager
-    accelerators, else as asked."""
+    """The delta rules' chunk length: shorter where an eager CPU loop reads the outputs inside it
+    (one thread, or more without a gradient) and in a scan over the chunks (their sequential
+    steps cost less than the products they save), longer on eager accelerators, else as
+    asked."""
     execution = {
-        "one CPU thread": {"accelerator": False, "eager": True, "threads": 1},
-        "two CPU threads": {"accelerator": False, "eager": True, "threads": 2},
-        "lazy": {"accelerator": False, "eager": False, "threads": 1},
-        "scanned": {"accelerator": False, "eager": False, "threads": 1, "scanned": True},
-        "accelerator": {"accelerator": True, "eager": False, "threads": 1},
+        "one CPU thread": {"accelerator": False, "in_loop": True},
+        "two CPU threads, a gradient": {"accelerator": False, "in_loop": False},
+        "two CPU threads, no gradient": {"accelerator": False, "in_loop": True},
+        "lazy": {"accelerator": False, "in_loop": False},
+        "scanned": {"accelerator": False, "in_loop": False, "scanned": True},
+        "accelerator": {"accelerator": True, "in_loop": False},
     }[where]
     assert polylin._forms.delta.chunked.chunk_length(asked, T, d_k, **execution) == want
 
 
-@pytest.mark.parametrize("threads, want", [(1, 32), (2, 64)])
-def test_the_chunk_follows_the_threads(rng, monkeypatch, threads, want):
-    """An eager CPU call asks its threads (``cpu_threads``) and runs the chunk
-    :func:`chunk_length` gives for them, with the reference's results either way."""
+@pytest.mark.parametrize("threads, grad, want", [(1, False, 32), (2, False, 32), (2, True, 64)])
+def test_the_chunk_follows_the_threads(rng, monkeypatch, threads, grad, want):
+    """An eager CPU call asks its threads (``cpu_threads``) and whether a gradient is recorded,
+    and runs the chunk :func:`chunk_length` gives for them, with the reference's results either
+    way."""
+    torch = needs(Backend.TORCH)
     chunked = polylin._forms.delta.chunked
     monkeypatch.setattr(chunked, "cpu_threads", lambda xp: threads)
     sizes = []
@@ -208,12 +213,14 @@ def test_the_chunk_follows_the_threads(rng, monkeypatch, threads, want):
     )
     q, k, v, beta, log_decay = make_inputs(rng, lead=(2,), length=100)
     want_out, want_state = reference(q, k, v, beta, log_decay)
+    query = torch.tensor(q, requires_grad=grad)
     out, state = delta_rule_attention(
-        q, k, v, beta, log_decay=log_decay, chunk_size=64, return_state=True
-    )
+        query, *(torch.tensor(x) for x in (k, v, beta)), log_decay=torch.tensor(log_decay),
+        chunk_size=64, return_state=True,
+    )  # fmt: skip
     assert sizes == [want]
-    np.testing.assert_allclose(out, want_out, atol=ATOL64, rtol=0)
-    np.testing.assert_allclose(state, want_state, atol=ATOL64, rtol=0)
+    np.testing.assert_allclose(out.detach(), want_out, atol=ATOL64, rtol=0)
+    np.testing.assert_allclose(state.detach(), want_state, atol=ATOL64, rtol=0)
 
 
 @pytest.mark.slow_grid

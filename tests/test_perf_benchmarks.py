@@ -273,7 +273,7 @@ def test_delta_chunks_runs_each_chunk_as_asked():
     import polylin._forms.delta.chunked as chunked
     from benchmarks import delta_chunks
 
-    execution = {"accelerator": False, "eager": True, "threads": 1}
+    execution = {"accelerator": False, "in_loop": True}
     assert chunked.chunk_length(64, 4096, 64, **execution) == 32
     with delta_chunks.chunks_as_asked():
         assert chunked.chunk_length(64, 4096, 64, **execution) == 64

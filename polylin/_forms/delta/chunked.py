@@ -96,15 +96,18 @@ BLOCK_ROWS = 4096
 #: of 4e-7 against float64 at every size (``benchmarks/gpu_profile.py``, ``docs/gpu.md``).
 ACCELERATOR_CHUNK = 256
 
-#: The longest chunk on one eager CPU thread (PyTorch with one thread, NumPy, array-api-strict)
-#: for keys of at most :data:`ONE_THREAD_KEYS` channels. Halving the chunk halves the products
+#: The longest chunk where an eager CPU loop reads each chunk's outputs inside it (PyTorch with
+#: one thread, or more without a gradient to record; NumPy, array-api-strict) for keys of at
+#: most :data:`ONE_THREAD_KEYS` channels. Halving the chunk halves the products
 #: that grow with it (``C d`` multiply-adds per token against ``d^2`` for the state's), and on
 #: one thread the twice as many sequential steps cost less than that: chunks of 32 took
 #: 0.79-0.90x the forward time of 64 and 0.84-0.95x forward and backward (PyTorch, one
 #: thread, d = 64 and 128, T = 512-16384, the three gates), NumPy 0.79-0.94x forward
-#: (``benchmarks/delta_chunks.py``). With two threads the sequential steps gain little from
-#: the second thread (forward 0.89-0.98x, forward and backward 0.95-1.14x), and at d = 256
-#: the chunk makes no difference on one thread (1.00-1.05x): there the chunk stays as asked.
+#: (``benchmarks/delta_chunks.py``). With two threads and the outputs read after the loop (a
+#: gradient to record) the sequential steps gain little from the second thread (forward
+#: 0.89-0.98x, forward and backward 0.95-1.14x): there the chunk stays as asked; read inside
+#: the loop, chunks of 32 took 0.65-0.93x the forward time of 64 on two threads (ggml's shapes).
+#: At d = 256 the chunk makes no difference on one thread (1.00-1.05x): it stays as asked.
 #: Shorter chunks change no result beyond rounding.
 ONE_THREAD_CHUNK = 32
 
@@ -118,20 +121,21 @@ def chunk_length(
     d_k: int,
     *,
     accelerator: bool,
-    eager: bool,
-    threads: int,
+    in_loop: bool,
     scanned: bool = False,
 ) -> int:
     """The chunk length the delta rules run: ``chunk_size`` (at most ``T``) rounded up to a power
     of two, at least :data:`ACCELERATOR_CHUNK` on eager accelerators and at most
-    :data:`ONE_THREAD_CHUNK` for keys of up to :data:`ONE_THREAD_KEYS` channels on one eager
-    CPU thread and where the loop over chunks is one scan (``scanned``: JAX under ``jit`` on
-    the CPU, whose scan runs its steps one after another: chunks of 32 took 0.79-1.00x the
+    :data:`ONE_THREAD_CHUNK` for keys of up to :data:`ONE_THREAD_KEYS` channels where an eager
+    CPU loop reads each chunk's outputs inside it (``in_loop``: one thread, or more without a
+    gradient to record; on two threads chunks of 32 took 0.65-0.93x the forward time of 64 at
+    ggml's shapes) and where the loop over chunks is one scan (``scanned``: JAX under ``jit``
+    on the CPU, whose scan runs its steps one after another: chunks of 32 took 0.79-1.00x the
     time of 64, forward, gated rule and KDA at d = 64 and 128, T = 512 and 4096, on one and
     two cores)."""
     if accelerator:  # fewer sequential steps, each a few launches (ACCELERATOR_CHUNK)
         chunk_size = max(chunk_size, ACCELERATOR_CHUNK)
-    elif (scanned or (eager and threads == 1)) and d_k <= ONE_THREAD_KEYS:
+    elif (scanned or in_loop) and d_k <= ONE_THREAD_KEYS:
         chunk_size = min(chunk_size, ONE_THREAD_CHUNK)
     return 1 << (min(chunk_size, T) - 1).bit_length()
 
@@ -176,10 +180,12 @@ def delta_chunked(
     eager = eager_cpu(xp, device(k))
     threads = cpu_threads(xp) if eager else 1
     scanned = scans_chunks(xp, k)
+    # The read-out inside the loop over chunks (_block) on one thread, and on more without a
+    # gradient to record.
+    in_loop = eager and (threads == 1 or not records_gradient(q, k, v, beta, g, S))
     chunk = chunk_length(
-        chunk_size, T, k.shape[-1], accelerator=accelerator, eager=eager, threads=threads,
-        scanned=scanned,
-    )  # fmt: skip
+        chunk_size, T, k.shape[-1], accelerator=accelerator, in_loop=in_loop, scanned=scanned
+    )
     n_chunks = -(-T // chunk)
     per_block = n_chunks
     if eager or scanned:
@@ -233,8 +239,6 @@ def delta_chunked(
             for block in blocks
         ]
     pieces: list[Any] = []  # (..., chunks, C, d_v) each: all joined by one concatenation
-    # The read-out in the chunk loop (_block) on one thread, and on more without a gradient.
-    in_loop = eager and (threads == 1 or not records_gradient(q, k, v, beta, g, S))
     for block in blocks:
         S, outputs = block_outputs(S, block, in_loop)
         pieces.extend(outputs)
