@@ -190,10 +190,10 @@ def _chunks(
     fused = None
     if in_loop:  # each chunk's read-out inside the loop (_backend.ops.fused_dplr_chunks)
         fused = fused_dplr_chunks(S, U, W, B_t, increments, decay, queries, A_qk, V, A_qb)
-    operands = [U, W, B_t, increments, decay]
     if fused is not None:
         out, S = fused
     else:  # (..., n, d_k, d_v) the state before each chunk, (..., n, C, d_v) the reads R
+        operands = [U, W, B_t, increments, decay]
         (starts, R), S = chunk_loop(xp, partial(_chunk_step, xp), S, operands)
         out = add_matmul(xp, xp.matmul(queries, starts), A_qk, V, fresh=True)
         out = add_matmul(xp, out, A_qb, R, fresh=True)
