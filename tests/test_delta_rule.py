@@ -727,6 +727,17 @@ def test_blocks_grow_with_torch_threads(form, monkeypatch):
         torch.testing.assert_close(result, results[0], rtol=1e-12, atol=1e-12)
 
 
+def recording(fused, taken):
+    """``fused`` (a ``_backend.ops`` fast path) that appends to ``taken`` whether it applied."""
+
+    def spy(*args):
+        result = fused(*args)
+        taken.append(result is not None)
+        return result
+
+    return spy
+
+
 @pytest.mark.parametrize("gate", [None, "scalar", "channel"])
 def test_fused_chunk_loop_matches_the_array_api_loop(rng, monkeypatch, gate):
     """On one PyTorch thread the loop over chunks with the read-out inside runs as products of
@@ -736,13 +747,8 @@ def test_fused_chunk_loop_matches_the_array_api_loop(rng, monkeypatch, gate):
     loop."""
     torch = needs(Backend.TORCH)
     chunked = polylin._forms.delta.chunked
-    fused = chunked.fused_delta_chunks
     taken: list[bool] = []
-
-    def spy(*args):
-        result = fused(*args)
-        taken.append(result is not None)
-        return result
+    spy = recording(chunked.fused_delta_chunks, taken)
 
     q, k, v, beta, log_decay = make_inputs(rng, lead=(2, 3), length=40, d_k=8, d_v=6)
     if gate == "channel":

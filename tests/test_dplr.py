@@ -27,7 +27,7 @@ from polylin import (
 from polylin.feature_maps import identity
 from polylin.testing import Backend
 
-from .test_delta_rule import needs, unit
+from .test_delta_rule import needs, recording, unit
 
 LEAD, T, D_K, D_V, CHUNK = (2, 3), 13, 6, 5, 4  # T not a multiple of the chunk size
 ATOL64 = 1e-10
@@ -675,13 +675,8 @@ def test_fused_read_out_matches_the_batched_one(rng, monkeypatch, decay):
     operands keep broadcasting leading dimensions."""
     torch = needs(Backend.TORCH)
     chunked = polylin._forms.dplr.chunked
-    fused = chunked.fused_dplr_chunks
     taken: list[bool] = []
-
-    def spy(*args):
-        result = fused(*args)
-        taken.append(result is not None)
-        return result
+    spy = recording(chunked.fused_dplr_chunks, taken)
 
     q, k, v, a, b, log_decay = make_inputs(rng, lead=(2, 3), length=40, decay=decay)
     arrays = [torch.tensor(x) for x in (q, k, v, a, b)]
