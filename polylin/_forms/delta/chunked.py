@@ -222,17 +222,20 @@ def delta_chunked(
         out = xp.reshape(xp.moveaxis(out, 0, -4), (*out.shape[1:-3], padded, out.shape[-1]))
         return (out if padded == T else out[..., :T, :]), S
     if n_blocks == 1:
+        blocks = [[y[..., 0, :, :, :] for y in arrays]]
+    else:
+        blocks = list(zip(*(unstack(xp, x, axis=-4) for x in arrays)))
+    if accelerator:
         # On an accelerator a strided input (fla's (B, T, H, d) read as (B, H, T, d)) would
         # make every array derived from it strided, and each batched matmul of the chunk loop
         # would copy its operands per chunk: one copy of each input here instead.
-        blocks = [
-            [dense(xp, x) if accelerator else x for x in (y[..., 0, :, :, :] for y in arrays)]
-        ]
-    else:
-        blocks = list(zip(*(unstack(xp, x, axis=-4) for x in arrays)))
-        # A flattening reshape copies the strided block of q and k once (matmul would copy
-        # them at every use, and the key reshapes of the levels too), unless the block loop
-        # writes them anew anyway (normalized, or the queries scaled): one pass, not two.
+        blocks = [[dense(xp, x) for x in block] for block in blocks]
+    elif eager:
+        # A flattening reshape copies a strided block of q and k once (matmul would copy them
+        # at every use, and the key reshapes of the levels too; a sequence of one block as
+        # well: 0.94x the forward time at ggml's shapes that are one block, the gated delta
+        # rule at T = 64 and, on two threads, at 16 x 64, T = 512 and KDA), unless the block
+        # loop writes them anew anyway (normalized, or the queries scaled): one pass, not two.
         rewritten = (qk_l2norm or scale != 1.0, qk_l2norm)
         blocks = [
             [x if new else dense(xp, x) for x, new in zip(block[:2], rewritten)] + list(block[2:])
