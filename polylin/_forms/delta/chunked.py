@@ -25,7 +25,9 @@ library solves triangular systems (``_backend.ops.unit_lower_solver``) and the g
 absent, from one batched solve of ``A``, itself one matmul times the segment decay of the
 scores (:func:`_factored`). The sequential
 loop over chunks computes ``W = T (diag(beta) V - diag(beta) (K * exp(b)) S)``, ``T`` applied
-once to the whole right-hand side, and the state update.
+once to the whole right-hand side (where ``T`` comes from a solve, as ``T diag(beta)`` applied
+to ``V - (K * exp(b)) S``: a ``C x C`` matrix scaled instead of the values), and the state
+update.
 
 Every function here takes ``xp`` and arrays already validated, masked (masked tokens have
 ``beta = 0``, ``g = 0`` and zero ``q, k, v``) and in the work dtype; leading dimensions
@@ -251,38 +253,43 @@ def delta_chunked(
 
 
 def _levels(
-    xp: Any, Q: Any, K: Any, B: Any, G: Any | None, causal: Any
-) -> tuple[Any, Any, IntraChunk]:
-    """The scores, the decayed queries and the :class:`IntraChunk` of :func:`_block` from the
-    levels of :func:`intra_chunk`, in the array API alone. The rows ``-diag(beta) K`` enter the
-    levels negated once: the levels then build ``(I + A)^{-1}`` directly, and their decayed rows
-    ``-diag(beta) K exp(b)`` enter the right-hand side of ``W`` without another negation."""
+    xp: Any, Q: Any, K: Any, V: Any, B: Any, G: Any | None, causal: Any
+) -> tuple[Any, Any, IntraChunk, Any]:
+    """The scores, the decayed queries, the :class:`IntraChunk` and the values ``diag(beta) V``
+    of :func:`_block` from the levels of :func:`intra_chunk`, in the array API alone. The rows
+    ``-diag(beta) K`` enter the levels negated once: the levels then build ``(I + A)^{-1}``
+    directly, and their decayed rows ``-diag(beta) K exp(b)`` enter the right-hand side of
+    ``W`` without another negation."""
     rows = K * (-B)  # negating beta (..., C, 1), not the keys
     if G is None:
         scores = keep_lower(xp, matmul(xp, Q, xp.matrix_transpose(K)), causal, fresh=True)
-        return scores, Q, intra_chunk(xp, K, None, [(rows, SOLVE)])
+        return scores, Q, intra_chunk(xp, K, None, [(rows, SOLVE)]), V * B
     if G.shape[-1] == 1:  # a scalar gate factors its scores: one full matmul
         scores = scalar_gate_scores(xp, Q, K, G, causal)
         queries = Q * xp.exp(cumulative_sum(xp, G, axis=-2))  # decayed from the chunk start
-        return scores, queries, intra_chunk(xp, K, G, [(rows, SOLVE)])
+        return scores, queries, intra_chunk(xp, K, G, [(rows, SOLVE)]), V * B
     blocks = intra_chunk(xp, K, G, [(Q, SCORES), (rows, SOLVE)])
-    return blocks.matrices[0], blocks.rows[0], blocks
+    return blocks.matrices[0], blocks.rows[0], blocks, V * B
 
 
 def _factored(
-    xp: Any, Q: Any, K: Any, B: Any, G: Any | None, causal: Any, solve: Any
-) -> tuple[Any, Any, IntraChunk]:
-    """The scores, the decayed queries and the :class:`IntraChunk` of :func:`_block` for no
-    gate or a scalar one, where the library solves triangular systems (``solve``): ``A`` is
-    one matmul times the chunk's :func:`segment_decay` (shared with the scores), and
-    ``(I + A)^{-1}`` one batched triangular solve. The factors across the chunk come from
-    in-chunk sums of the gate, each of its own terms: ``exp(b_t)`` from the chunk start (a
-    cumulative sum) and ``exp(B - b_s)`` to its end (a reversed cumulative sum after ``s``)."""
+    xp: Any, Q: Any, K: Any, V: Any, B: Any, G: Any | None, causal: Any, solve: Any
+) -> tuple[Any, Any, IntraChunk, Any]:
+    """The scores, the decayed queries, the :class:`IntraChunk` and the values of
+    :func:`_block` for no gate or a scalar one, where the library solves triangular systems
+    (``solve``): ``A`` is one matmul times the chunk's :func:`segment_decay` (shared with the
+    scores), and ``(I + A)^{-1}`` one batched triangular solve. The factors across the chunk
+    come from in-chunk sums of the gate, each of its own terms: ``exp(b_t)`` from the chunk
+    start (a cumulative sum) and ``exp(B - b_s)`` to its end (a reversed cumulative sum after
+    ``s``). ``beta`` scales the inverse's columns, ``W = ((I + A)^{-1} diag(beta)) (V - (K
+    exp(b)) S)``: a pass over a ``C x C`` matrix instead of the values and keys scaled by it
+    (``C x d`` each); the values enter the loop as they are."""
     keys_t = xp.matrix_transpose(K)
+    columns = xp.matrix_transpose(B)  # beta as (..., 1, C)
     if G is None:
         scores = keep_lower(xp, matmul(xp, Q, keys_t), causal, fresh=True)
-        inverse = solve(matmul(xp, K * B, keys_t))
-        return scores, Q, IntraChunk([inverse], [K * (-B)], K, None)
+        inverse = solve(matmul(xp, K * B, keys_t)) * columns
+        return scores, Q, IntraChunk([inverse], [-K], K, None), V
     decay = segment_decay(xp, G)
     scores = scalar_gate_scores(xp, Q, K, G, causal, decay=decay)
     inverse = solve(matmul(xp, K * B, keys_t) * decay)  # only the strictly lower part is read
@@ -290,7 +297,8 @@ def _factored(
     after = cumulative_sum(xp, xp.flip(G, axis=-2), axis=-2, include_initial=True)
     end = xp.exp(xp.flip(after[..., :-1, :], axis=-2))  # exp(sum_{r > s} g_r)
     whole = start[..., -1:, :]  # exp(B): (..., 1, 1)
-    return scores, Q * start, IntraChunk([inverse], [K * (-B * start)], K * end, whole)
+    keys_rhs = K * (-start)
+    return scores, Q * start, IntraChunk([inverse * columns], [keys_rhs], K * end, whole), V
 
 
 def _block(
@@ -314,14 +322,15 @@ def _block(
     G = rest[0] if rest else None
     solve = unit_lower_solver(xp, K)
     if solve is not None and (G is None or G.shape[-1] == 1):
-        scores, queries, blocks = _factored(xp, Q, K, B, G, causal, solve)
+        scores, queries, blocks, values = _factored(xp, Q, K, V, B, G, causal, solve)
     else:
-        scores, queries, blocks = _levels(xp, Q, K, B, G, causal)
+        scores, queries, blocks, values = _levels(xp, Q, K, V, B, G, causal)
     inverse, keys_rhs = blocks.matrices[-1], blocks.rows[-1]
     # The state recurrence across chunks is sequential: S_n feeds W_n. Each input is unstacked
-    # once (one op for autograd); per chunk W_n = T_n (diag(beta) V_n + keys_rhs_n S_n) and the
-    # state update remain (T applied once, to the sum, not to each term before the loop).
-    operands = (inverse, V * B, keys_rhs, xp.matrix_transpose(blocks.keys))
+    # once (one op for autograd); per chunk W_n = T_n (values_n + keys_rhs_n S_n) and the state
+    # update remain (T applied once, to the sum, not to each term before the loop; beta either
+    # in T's columns or in the values and keys: _factored, _levels).
+    operands = (inverse, values, keys_rhs, xp.matrix_transpose(blocks.keys))
     decay = None if blocks.whole is None else xp.matrix_transpose(blocks.whole)  # (..., N, w, 1)
     # Read-out: on eager CPU backends, on one thread or without a gradient to record, each
     # chunk's O_n = Q_n S_n + P_n W_n in the loop, while S_n and W_n are in cache (no stacked
@@ -351,9 +360,9 @@ def _block(
 def _chunk_step(
     xp: Any, S: Any, T: Any, BV: Any, R: Any, K: Any, decay: Any | None
 ) -> tuple[Any, tuple[Any, Any]]:
-    """One chunk of the sequential loop: ``W = T (diag(beta) V + R S)`` and the state after
-    the chunk, ``diag(exp(B)) S + K^T W`` (``K`` already transposed, ``decay`` ``(..., w, 1)``
-    or None). Returns ``(S', (S, W))``."""
+    """One chunk of the sequential loop: ``W = T (BV + R S)`` (``T diag(beta) (V + R S)``
+    with beta in ``T``'s columns) and the state after the chunk, ``diag(exp(B)) S + K^T W``
+    (``K`` already transposed, ``decay`` ``(..., w, 1)`` or None). Returns ``(S', (S, W))``."""
     W = matmul(xp, T, add_matmul(xp, BV, R, S))
     if decay is None:
         return add_matmul(xp, S, K, W), (S, W)
