@@ -22,10 +22,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-#: PyTorch operations that run a BLAS or LAPACK kernel: the products of a chunked form
+#: PyTorch operations that run a BLAS or LAPACK kernel: the products of a chunked form, the
+#: in-place ones included (the delta rules' loops and the read-outs add into fresh arrays)
 GEMM_OPS = frozenset({
-    "aten::mm", "aten::bmm", "aten::baddbmm", "aten::addmm", "aten::addbmm", "aten::mv",
-    "aten::addmv", "aten::dot", "aten::linalg_solve_triangular", "aten::triangular_solve",
+    "aten::mm", "aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::addmm", "aten::addmm_",
+    "aten::addbmm", "aten::addbmm_", "aten::mv", "aten::addmv", "aten::addmv_", "aten::dot",
+    "aten::linalg_solve_triangular", "aten::triangular_solve",
 })  # fmt: skip
 
 

@@ -165,6 +165,20 @@ def test_ggml_ops_floors():
     assert "torch's floor |" in text and f"{gdn['floor_s'] * 1e3:.3f} ms |" in text
 
 
+def test_ggml_floor_products_count_in_place_products():
+    """A product added in place (``baddbmm_``, as the delta rules' loops write) is a product
+    of the prefill floor; an elementwise operation is not."""
+    import torch
+
+    from benchmarks import ggml_floors
+
+    a, b, c = torch.randn(64, 128, 128), torch.randn(64, 128, 128), torch.zeros(64, 128, 128)
+    products, operations = ggml_floors.profile_shares(lambda: c.baddbmm_(a, b), calls=2)
+    assert products > 0.5 * operations > 0
+    products, operations = ggml_floors.profile_shares(lambda: c.mul_(0.5), calls=2)
+    assert products == 0 < operations
+
+
 @pytest.mark.parametrize("family", ["gdn", "kda", "ssm", "wkv7", "gla", "conv"])
 def test_ggml_floor_state_passes_are_the_step(family):
     """The bare state passes compute ggml's token (the float64 loop), and leave the inputs."""
