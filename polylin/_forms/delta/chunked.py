@@ -297,8 +297,7 @@ def _factored(
     after = cumulative_sum(xp, xp.flip(G, axis=-2), axis=-2, include_initial=True)
     end = xp.exp(xp.flip(after[..., :-1, :], axis=-2))  # exp(sum_{r > s} g_r)
     whole = start[..., -1:, :]  # exp(B): (..., 1, 1)
-    keys_rhs = K * (-start)
-    return scores, Q * start, IntraChunk([inverse * columns], [keys_rhs], K * end, whole), V
+    return scores, Q * start, IntraChunk([inverse * columns], [K * (-start)], K * end, whole), V
 
 
 def _block(
