@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import polylin._forms.common.prefix as prefix
 import polylin._forms.linear.chunked as chunked
 import polylin._forms.linear.grouped as grouped
 from polylin import LinearAttentionState, causal_linear_attention
@@ -211,3 +212,36 @@ def test_torch_func_transforms(blocks, rng):
     call(C, K, x, g).square().sum().backward()
     assert blocks[0] == B + 1
     torch.testing.assert_close(gradient, x.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_torch_writes_each_chunks_reads_as_the_chain_runs(monkeypatch, rng):
+    """On PyTorch without a gradient to record, the chain of states writes each chunk's read-out
+    into its slot (``_backend.ops.fused_chain_reads``; batch and groups make the slots strided):
+    the same outputs and state as the stacked states' batched product. With a gradient to
+    record the array-API chain runs."""
+    torch = pytest.importorskip("torch")
+    original, taken = prefix.fused_chain_reads, []
+
+    def spy(*args):
+        result = original(*args)
+        taken.append(result is not None)
+        return result
+
+    C, K, x, g, S0, z0 = (torch.tensor(a) for a in mamba2_inputs(rng))
+
+    def run(fused, grad=False):
+        monkeypatch.setattr(prefix, "fused_chain_reads", spy if fused else lambda *a: None)
+        out, state = causal_linear_attention(
+            C, K, x.clone().requires_grad_(grad), identity, chunk_size=8, log_decay=g,
+            normalize=False, return_state=True, seq_axis=1,
+            initial_state=LinearAttentionState(S0, z0),
+        )  # fmt: skip
+        return [out.detach(), state.S.detach(), state.z.detach()]
+
+    fast, chain = run(True), run(False)
+    assert taken and all(taken)
+    for a, b in zip(fast, chain):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    taken.clear()
+    run(True, grad=True)
+    assert taken and not any(taken)

@@ -13,9 +13,16 @@ from typing import Any
 
 from ..._backend.execution import chains_decay, scan, scans_chunks
 from ..._backend.namespace import device
-from ..._backend.ops import add_scaled, concat_leading, cumulative_sum, unstack
+from ..._backend.ops import (
+    add_scaled,
+    concat_leading,
+    cumulative_sum,
+    fused_chain_reads,
+    matmul,
+    unstack,
+)
 
-__all__ = ["chunk_loop", "chunk_prefix"]
+__all__ = ["chunk_loop", "chunk_prefix", "chunk_reads"]
 
 #: ``step(S, *operands of one chunk) -> (S after the chunk, outputs of the chunk)``.
 ChunkStep = Callable[..., tuple[Any, tuple[Any, ...]]]
@@ -107,6 +114,21 @@ def chunk_prefix(
             factors = factors * _shift_chunks(xp, factors, shift, 1.0)
         shift *= 2
     return values[..., :-1, :, :], values[..., -1, :, :]
+
+
+def chunk_reads(
+    xp: Any, queries: Any, increments: Any, decay: Any | None, state: Any, *, chained: bool
+) -> tuple[Any, Any]:
+    """``queries_n @ S_n`` for the states before each chunk of :func:`chunk_prefix`
+    (``queries`` ``(..., n, C, d_phi)``), and the state after the last chunk. A decay chained
+    on PyTorch without a gradient to record writes each product as the chain runs
+    (:func:`~polylin._backend.ops.fused_chain_reads`: no stacked states)."""
+    if chained and decay is not None:
+        fused = fused_chain_reads(queries, increments, decay, state)
+        if fused is not None:
+            return fused
+    states, state = chunk_prefix(xp, increments, decay, state, chained=chained)
+    return matmul(xp, queries, states), state
 
 
 def _shift_chunks(xp: Any, x: Any, shift: int, fill: float) -> Any:

@@ -46,7 +46,7 @@ from ..._backend.ops import (
     pad_rows,
     split_rows,
 )
-from ..common.prefix import chunk_prefix
+from ..common.prefix import chunk_prefix, chunk_reads
 from ..common.scalar_gate import (
     half_factors,
     half_products,
@@ -179,8 +179,8 @@ def _block(
     P = keep_lower(xp, matmul(xp, Q, Kt), causal, fresh=True)
     factors = half_factors(xp, G)
     decay = flat(xp.broadcast_to(whole, (*whole.shape[:-1], d_v)))
-    states, S = chunk_prefix(xp, matmul(xp, Kt, flat(V * after)), decay, S, chained=True)
-    reads = xp.reshape(matmul(xp, Q, states), V.shape)  # Q_n S_n
+    reads, S = chunk_reads(xp, Q, matmul(xp, Kt, flat(V * after)), decay, S, chained=True)
+    reads = xp.reshape(reads, V.shape)  # Q_n S_n
     if into:
         out = half_products_into(xp, factors, P, V, reads)
     else:
