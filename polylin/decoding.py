@@ -7,7 +7,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from ._backend.namespace import is_array
-from ._backend.ops import fused_step_rows
+from ._backend.ops import StepRows, fused_step_rows
 from ._forms.linear.recurrent import recurrent_step
 from ._inputs.defaults import DEFAULT_EPS
 from ._inputs.gates import check_log_decay, check_normalize, log_decay_values
@@ -136,7 +136,7 @@ class _StepPlan(NamedTuple):
     state_shapes: tuple[tuple, tuple]  # (S, z) broadcast to the batch
     broadcast_state: bool  # a given state has fewer leading dimensions than the batch
     fixed_decay: Any  # the log decay of a number or None (the same at every call), or PER_CALL
-    fused_rows: int | None  # PyTorch, a state per token row: ``fused_step_rows`` found once
+    fused_rows: StepRows | None  # PyTorch, a state per token row: ``fused_step_rows`` found once
 
 
 def _plan_step(

@@ -405,10 +405,10 @@ def _run_step(
     if plan.qk_l2norm:
         q, k = l2_normalize(xp, q), l2_normalize(xp, k)
     decay, S0 = step_decay(plan, log_decay), step_state(plan, state)
+    fused = None
     if plan.fused_rows is not None:  # PyTorch, one state per token row: found by the plan
-        o_t, S = fused_delta_step(q, k, v, beta, decay, S0, rows=plan.fused_rows)
-    else:
-        o_t, S = delta_step(xp, q, k, v, beta, decay, S0)
+        fused = fused_delta_step(q, k, v, beta, decay, S0, rows=plan.fused_rows)
+    o_t, S = delta_step(xp, q, k, v, beta, decay, S0) if fused is None else fused
     if plan.scale != 1.0:
         o_t = o_t * plan.scale
     return finish(inputs, o_t, None), S

@@ -374,10 +374,10 @@ def _run_step(
     if plan.scale != 1.0:
         q = q * plan.scale
     decay, S0 = step_decay(plan, log_decay), step_state(plan, state)
+    fused = None
     if plan.fused_rows is not None:  # PyTorch, one state per token row: found by the plan
-        o_t, S = fused_dplr_step(q, k, v, a, b, decay, S0, rows=plan.fused_rows)
-    else:
-        o_t, S = dplr_step(inputs.xp, q, k, v, a, b, decay, S0)
+        fused = fused_dplr_step(q, k, v, a, b, decay, S0, rows=plan.fused_rows)
+    o_t, S = dplr_step(inputs.xp, q, k, v, a, b, decay, S0) if fused is None else fused
     return finish(inputs, o_t, None), S
 
 

@@ -131,3 +131,40 @@ def test_grouped_keys_outside_autograd_match_the_formula():
     for rule in ("delta", "dplr", "linear"):
         for a, b in zip(by_polylin(rule, x), by_formula(rule, x), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("rule", ["delta", "dplr", "linear"])
+def test_a_plan_finds_grouped_keys_once(rule):
+    """A prepared step's plan finds once that the keys and queries of a group broadcast
+    against the heads (``StepRows.broadcast``): each token then only expands them, outside
+    autograd to the recurrence's values; under autograd the array-API form runs, with the
+    recurrence's values and gradients."""
+    from polylin._backend.ops import StepRows
+
+    prepared = {"delta": polylin.prepare_delta_rule_step(scale=0.5),
+                "dplr": polylin.prepare_dplr_step(scale=0.5),
+                "linear": polylin.prepare_step(polylin.feature_maps.identity, normalize=False)}
+    step = prepared[rule]
+
+    def run(x):
+        if rule == "delta":
+            return step(x["q"], x["k"], x["v"], x["beta"], x["S"], log_decay=x["g"])
+        if rule == "dplr":
+            return step(x["q"], x["k"], x["v"], x["a"], x["b"], x["S"], log_decay=x["g"])
+        o, new = step(x["q"], x["k"], x["v"], polylin.LinearAttentionState(x["S"], x["z"]),
+                      log_decay=x["g"])  # fmt: skip
+        return o, new.S, new.z
+
+    for recorded in (False, True):
+        x = {name: a.detach().requires_grad_(recorded) for name, a in draws(4, "scalar").items()}
+        x["q"], x["k"] = (a[:, :1].detach().requires_grad_(recorded) for a in (x["q"], x["k"]))
+        got, want = run(x), by_formula(rule, x)
+        assert step._plan.fused_rows == StepRows(6, True)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        if recorded:
+            leaves = [x[name] for name in ("q", "k", "v", "S", "g")]
+            grads = [torch.autograd.grad(sum(y.sum() for y in out), leaves)
+                     for out in (run(x), by_formula(rule, x))]  # fmt: skip
+            for a, b in zip(*grads, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

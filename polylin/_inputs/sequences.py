@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from .._backend.denormals import flushing_denormals
 from .._backend.execution import check_static
 from .._backend.namespace import is_array
-from .._backend.ops import nonpositive
+from .._backend.ops import StepRows, nonpositive
 from .gates import check_log_decay, log_decay_values
 from .layout import SequenceLayout
 from .prepare import finish
@@ -107,9 +107,9 @@ class StepPlan(NamedTuple):
     #: Every per-call array is used as given: it is in the work dtype and has the shape its
     #: conversion gives (no cast, reshape or broadcast), as in a model's decoding loop.
     as_given: bool = False
-    #: PyTorch, arrays as given with the state's leading dimensions: the number of states for
-    #: ``_backend.ops.fused_delta_step(rows=)``, found once; else ``None``.
-    fused_rows: int | None = None
+    #: PyTorch, arrays as given with the state's leading dimensions or broadcasting against
+    #: them: what ``_backend.ops.fused_delta_step(rows=)`` needs, found once; else ``None``.
+    fused_rows: StepRows | None = None
 
 
 def used_as_given(inputs: AttentionInputs, *arrays: tuple[Any, tuple | None]) -> bool:

@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any
 
 from ..._backend.execution import scan
-from ..._backend.ops import add_outer, fused_linear_step, unstack, vector_times_matrix
+from ..._backend.ops import StepRows, add_outer, fused_linear_step, unstack, vector_times_matrix
 
 __all__ = ["causal_recurrent", "recurrent_step"]
 
@@ -29,14 +29,14 @@ def recurrent_step(
     *,
     log_decay: Any | None = None,
     normalize: bool = True,
-    rows: int | None = None,
+    rows: StepRows | None = None,
 ) -> tuple[Any, Any, Any]:
     """Advance the state by one token and return ``(output, S, z)``.
 
     ``fq``, ``fk`` are mapped features ``(..., d_phi)``, ``v`` is ``(..., d_v)``, ``S`` and ``z``
     the state before the token, ``log_decay`` ``(..., 1 or d_phi)`` or None. Cost and memory
-    are independent of the position. ``rows``: the number of states where the caller found
-    that the fused PyTorch step applies (``_backend.ops.fused_step_rows``).
+    are independent of the position. ``rows``: what the caller found about the per-token
+    arrays where the fused PyTorch step applies (``_backend.ops.fused_step_rows``).
     """
     factor = None if log_decay is None else xp.exp(log_decay)
     fused = fused_linear_step(fq, fk, v, factor, S, z, rows=rows)  # PyTorch, a state a row
