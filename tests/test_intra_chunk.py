@@ -202,8 +202,8 @@ def test_public_calls_factor_a_bounded_gate(rng, monkeypatch, backend, op):
     needs(backend)
     taken = []
 
-    def counted(*args):
-        result = factored(*args)
+    def counted(*args, **kwargs):
+        result = factored(*args, **kwargs)
         taken.append(result is not None)
         return result
 
@@ -340,3 +340,32 @@ def test_jax_vmap_gradients_stay_finite(rng, op):
         for a, b in zip(grads, alone):
             assert np.all(np.isfinite(np.asarray(a[row])))
             np.testing.assert_allclose(np.asarray(a[row]), np.asarray(b), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("gate", ["bounded", "channel"])
+def test_relative_factors_carry_the_same_state(rng, gate):
+    """``relative``: where a bounded gate is factored, rows, keys and the chunk decays count from
+    each chunk's middle token and ``entry`` is the decay to the first one; a state carried as
+    ``diag(entry) S`` into the first chunk and by ``diag(whole)`` from chunk to chunk reads and
+    ends exactly as the state of the chunk-start factors does (the gate beyond the bound takes
+    the levels: ``entry`` None, the same factors)."""
+    xp = needs(Backend.NUMPY)
+    n = 3
+    Q, A, K, _, G = (np.stack([a] * n, axis=-3) for a in _inputs(rng, gate))  # (2, n, C, d)
+    G = G * rng.uniform(0.5, 1.0, (1, n, 1, 1))  # each chunk its own gate
+    rows = [(Q, SCORES), (A, SOLVE)]
+    plain, relative = (intra_chunk(xp, K, G, rows, relative=r) for r in (False, True))
+    assert (relative.entry is None) == (gate == "channel")
+    for a, b in zip(plain.matrices, relative.matrices):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    V = rng.standard_normal((2, n, CHUNK, 3))
+    S = S_hat = rng.standard_normal((2, D, 3))
+    if relative.entry is not None:
+        S_hat = np.swapaxes(relative.entry, -1, -2)[..., 0, :, :] * S
+    for i in range(n):
+        for a, b in zip(plain.rows, relative.rows):
+            np.testing.assert_allclose(b[:, i] @ S_hat, a[:, i] @ S, rtol=1e-11, atol=1e-12)
+        S, S_hat = (np.swapaxes(f.whole[:, i], -1, -2) * state
+                    + np.swapaxes(f.keys[:, i], -1, -2) @ V[:, i]
+                    for f, state in ((plain, S), (relative, S_hat)))  # fmt: skip
+    np.testing.assert_allclose(S_hat, S, rtol=1e-11, atol=1e-12)

@@ -54,6 +54,15 @@ a ``lax.cond`` of the compiled program, which holds both constructions and runs 
 (:func:`~polylin._backend.execution.branches_in_program`). A larger decay, a ``-inf`` or
 ``nan``, a half-precision gate, chunks of one token and every other traced or lazy call take
 the levels.
+
+The factored rows and keys are ``R exp(e)`` and ``K exp(-e)``: the rows decayed from the
+chunk's start, ``r_t exp(b_t)``, are those times ``exp(b_m)``, one more pass per row set. A
+caller that carries the state across chunks may instead count from the middle tokens
+(``relative``): it carries ``diag(exp(b_m)) S`` into each chunk, reads it with ``R exp(e)`` as
+they are, and passes it on by ``exp(B - b_m + b_m')`` to the next chunk's middle token ``m'``,
+the keys decayed by the same factor (one pass, as to the chunk's end); only the first chunk's
+state is scaled, once per call (the delta rule with a per-channel gate: KDA's forward 0.96-0.97x
+the time, one and two threads).
 """
 
 from __future__ import annotations
@@ -111,6 +120,10 @@ class IntraChunk(NamedTuple):
     # (the READ_ kinds: r_t exp(b_t - g_t), to t exclusive)
     keys: Any  # (..., C, d): k_s exp(B - b_s), decayed to the chunk end
     whole: Any | None  # (..., 1, w): exp(B), the decay of the whole chunk (None: no gate)
+    # Counted from reference tokens (intra_chunk's relative): rows from their chunk's, keys and
+    # whole to the next chunk's (the last chunk's to its end); entry (..., 1, 1, w) is the
+    # decay from the first chunk's start to its reference. None: the chunks' starts.
+    entry: Any | None = None
 
 
 def _shape(*arrays: Any) -> tuple[int, ...]:
@@ -211,7 +224,9 @@ def _merged(xp: Any, M: Any | None, kind: str, corner: Any, pairs: int) -> Any:
     return merge_inverse(xp, M, corner, pairs)
 
 
-def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]]) -> IntraChunk:
+def intra_chunk(
+    xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]], *, relative: bool = False
+) -> IntraChunk:
     """The decayed intra-chunk matrices of several row sets against the keys ``K``, and the
     factors that carry the state across the chunk (module docstring).
 
@@ -228,6 +243,15 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]])
     per key set. Every row set is decayed once for all key sets (the generalized rule's rows
     meet two).
 
+    ``relative`` (the chunk axis is ``-3``: ``K`` ``(..., N, C, d)``): where the scores are
+    factored through each chunk's middle token, the rows, keys and ``whole`` count from that
+    token (its *reference*) instead of the chunk's start, and ``entry`` is the decay from the
+    first chunk's start to its reference: a caller that carries ``diag(entry) S`` into the
+    first chunk and ``diag(whole) S`` from chunk to chunk reads and updates the state with the
+    rows and keys as given, and leaves the last chunk with ``S`` itself (module docstring).
+    The levels count from the chunks' starts (``entry`` ``None``; ones where the choice is
+    made inside a compiled program).
+
     Each level costs one batched matmul per row set and key set and ``O(d)`` products per
     token per row set and key set for a per-channel gate (``O(h)`` per token for a scalar
     one); the 1 x 1 corners of the first level are row sums (a tiny batched matmul's backward
@@ -237,16 +261,19 @@ def intra_chunk(xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]])
     key_sets = list(K) if several else [K]
     kinds = [list(kind) if several else [kind] for _, kind in rows]  # per row set, per key set
     reads = [row_kinds[0] in _READS for row_kinds in kinds]
-    parts = _factored(xp, key_sets, G, rows, kinds, reads)
-    matrices, decayed, keys, whole = parts or _levels(xp, key_sets, G, rows, kinds, reads)
+    parts = _factored(xp, key_sets, G, rows, kinds, reads, relative=relative)
+    matrices, decayed, keys, whole, entry = parts or (
+        *_levels(xp, key_sets, G, rows, kinds, reads), None)
     if several:
-        return IntraChunk(matrices, decayed, keys, whole)
-    return IntraChunk([M for (M,) in matrices], decayed, keys[0], whole)
+        return IntraChunk(matrices, decayed, keys, whole, entry)
+    return IntraChunk([M for (M,) in matrices], decayed, keys[0], whole, entry)
 
 
-#: What :func:`_levels` and :func:`_factored` return: the matrices (per row set, per key set),
-#: the decayed rows (per row set), the decayed keys (per key set) and the whole-chunk decay.
+#: What :func:`_levels` returns: the matrices (per row set, per key set), the decayed rows (per
+#: row set), the decayed keys (per key set) and the whole-chunk decay; :func:`_factored` adds
+#: :class:`IntraChunk`'s ``entry`` (``_Referenced``).
 _Parts = tuple[list[list[Any]], list[Any], list[Any], Any]
+_Referenced = tuple[list[list[Any]], list[Any], list[Any], Any, Any]
 
 
 def _levels(
@@ -344,15 +371,15 @@ def _levels(
 
 def _factored(
     xp: Any, key_sets: list[Any], G: Any | None, rows: Sequence[tuple[Any, Any]],
-    kinds: list[list[str]], reads: list[bool],
-) -> _Parts | None:
+    kinds: list[list[str]], reads: list[bool], *, relative: bool = False,
+) -> _Referenced | None:
     """:func:`intra_chunk`'s matrices, rows, keys and whole-chunk decay for a per-channel gate
     factored over the chunk through its middle token; ``None`` where that does not apply
     (module docstring): no gate or a scalar one, chunks of one token, no entries, a precision
     other than float32 and float64, a backend that neither reads values nor chooses inside its
     program, a chunk log decay beyond :data:`FACTORED_SPAN`. Where the choice is made inside
     the program (:func:`~polylin._backend.execution.branches_in_program`) both constructions
-    are traced and the program runs one.
+    are traced and the program runs one. The fifth value is :class:`IntraChunk`'s ``entry``.
     """
     if (G is None or G.shape[-1] == 1 or G.shape[-2] < 2 or 0 in G.shape
             or G.dtype not in (xp.float32, xp.float64)):  # fmt: skip
@@ -364,14 +391,19 @@ def _factored(
     # The chunk's decay -B = -(b_m + (B - b_m)) = e_{-1} - e_{C-1}, per channel (nan: False)
     bounded = xp.max(outward[..., 0, :] - outward[..., -1, :]) <= FACTORED_SPAN
     if in_program:
+
+        def levels() -> _Referenced:
+            parts = _levels(xp, key_sets, G, rows, kinds, reads)
+            return (*parts, xp.ones_like(parts[3][..., :1, :, :]) if relative else None)
+
         return branch(
             bounded,
-            lambda: _through_middle(xp, key_sets, outward, rows, kinds, reads),
-            lambda: _levels(xp, key_sets, G, rows, kinds, reads),
+            lambda: _through_middle(xp, key_sets, outward, rows, kinds, reads, relative),
+            levels,
         )
     if not bool(bounded):
         return None
-    return _through_middle(xp, key_sets, outward, rows, kinds, reads)
+    return _through_middle(xp, key_sets, outward, rows, kinds, reads, relative)
 
 
 def _outward_sums(xp: Any, G: Any) -> Any:
@@ -399,10 +431,11 @@ def _outward_sums(xp: Any, G: Any) -> Any:
 
 def _through_middle(
     xp: Any, key_sets: list[Any], outward: Any, rows: Sequence[tuple[Any, Any]],
-    kinds: list[list[str]], reads: list[bool],
-) -> _Parts:
+    kinds: list[list[str]], reads: list[bool], relative: bool,
+) -> _Referenced:
     """:func:`_factored`'s construction from the gate's running sums outward from the middle
-    token m, ``e_{t-1}`` for ``t = 0..C`` (:func:`_outward_sums`)."""
+    token m, ``e_{t-1}`` for ``t = 0..C`` (:func:`_outward_sums`); ``relative``: counted from
+    the middle tokens (:func:`intra_chunk`)."""
     grows = xp.exp(outward)  # exp(e_{t-1}), t = 0..C
     inverse = reciprocal(xp, grows)  # exp(-e_{t-1}); the first row exp(b_m) (within exp(16))
     shrinks, to_start = inverse[..., 1:, :], inverse[..., :1, :]  # exp(-e), exp(b_m)
@@ -415,7 +448,8 @@ def _through_middle(
     matrices, decayed = [], []
     for (R, _), row_kinds, read in zip(rows, kinds, reads):
         meeting = (grows[..., :-1, :] if read else grows[..., 1:, :]) * R  # a read: to t excl.
-        decayed.append(meeting * to_start)  # r_t exp(b_t) (a read: exp(b_t - g_t))
+        # r_t exp(b_t) (a read: exp(b_t - g_t)); relative: r_t exp(e_t), from the middle
+        decayed.append(meeting if relative else meeting * to_start)
         row_matrices = []
         for key, kind in zip(met, row_kinds):
             M = matmul(xp, meeting, xp.matrix_transpose(key))
@@ -429,7 +463,12 @@ def _through_middle(
                 L = keep_lower(xp, M, strict, strict=True, fresh=True)
                 row_matrices.append(unit_lower_inverse(xp, L))
         matrices.append(row_matrices)
-    return matrices, decayed, [key * to_end for key in met], to_start * to_end
+    if not relative:
+        return matrices, decayed, [key * to_end for key in met], to_start * to_end, None
+    # From each middle token to the next chunk's, exp(B - b_m + b_m'): the last chunk's to its end
+    later = xp.concat([to_start[..., 1:, :, :], xp.ones_like(to_start[..., :1, :, :])], axis=-3)
+    onward = to_end * later
+    return matrices, decayed, [key * onward for key in met], onward, to_start[..., :1, :, :]
 
 
 def segment_sums(xp: Any, G: Any, axis: int) -> Any:

@@ -268,7 +268,7 @@ def _levels(
         scores = scalar_gate_scores(xp, Q, K, G, causal)
         queries = Q * xp.exp(cumulative_sum(xp, G, axis=-2))  # decayed from the chunk start
         return scores, queries, intra_chunk(xp, K, G, [(rows, SOLVE)]), V * B
-    blocks = intra_chunk(xp, K, G, [(Q, SCORES), (rows, SOLVE)])
+    blocks = intra_chunk(xp, K, G, [(Q, SCORES), (rows, SOLVE)], relative=True)
     return blocks.matrices[0], blocks.rows[0], blocks, V * B
 
 
@@ -325,6 +325,8 @@ def _block(
     else:
         scores, queries, blocks, values = _levels(xp, Q, K, V, B, G, causal)
     inverse, keys_rhs = blocks.matrices[-1], blocks.rows[-1]
+    if blocks.entry is not None:  # rows counted from the chunks' middle tokens: so is the state
+        S = S * xp.matrix_transpose(blocks.entry)[..., 0, :, :]
     # The state recurrence across chunks is sequential: S_n feeds W_n. Each input is unstacked
     # once (one op for autograd); per chunk W_n = T_n (values_n + keys_rhs_n S_n) and the state
     # update remain (T applied once, to the sum, not to each term before the loop; beta either
