@@ -10,14 +10,15 @@ the test program, none to the kernels: the thread count comes from ``GGML_PERF_T
 cases for the shapes below that its list lacks are added, and a timed graph holds fewer copies
 of the op (``GGML_PERF_CPU_MIB``). It then runs ``test-backend-ops perf -b CPU -o <OP>`` for
 ``GATED_DELTA_NET`` (scalar gate and KDA), ``SSM_SCAN``, ``RWKV_WKV7``, ``GATED_LINEAR_ATTN``
-and ``SSM_CONV``, once per thread count, and times polylin on the same shapes (float32, one
-sequence) on PyTorch and NumPy (and, with ``--backends``, compiled by ``torch.compile`` or
-``jax.jit``) with the same thread count (the worker process pinned to that many cores): each
-polylin call first checked
-against a float64 loop of ggml's own semantics (read from ``ggml/src/ggml-cpu/ops.cpp``), then
-timed (the mean over at least a second, as ggml's ``us/run``; the median is recorded too).
-ggml and polylin alternate by pass; the report gives polylin's time over ggml's in each pass,
-per op, shape and thread count.
+and ``SSM_CONV``, one case at a time (``-o <OP> -p <its parameters>``), and right after
+each times polylin on the same shape (float32, one sequence) on PyTorch and NumPy (and, with
+``--backends``, compiled by ``torch.compile`` or ``jax.jit``) with the same thread count (a
+worker process pinned to that many cores, one per pass and thread count): each polylin call
+first checked against a float64 loop of ggml's own semantics (read from
+``ggml/src/ggml-cpu/ops.cpp``), then timed (the mean over at least a second, as ggml's
+``us/run``; the median is recorded too). The two sides of a ratio are seconds apart, so a
+machine whose speed drifts from one minute to the next weighs on both alike; the report gives
+polylin's time over ggml's in each pass, per op, shape and thread count.
 
 Where cmake or a C++ compiler is missing the ggml side is skipped with a message (exit 0); the
 polylin side still runs (its checks included). Absolute times on a shared machine are noise:
@@ -209,11 +210,15 @@ def pin(threads: int) -> None:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
 
 
-def run_ggml(binary: Path, threads: int) -> list[dict[str, Any]]:
-    """One perf run of the five ops on ``threads`` threads (each case runs for >= 1 s)."""
+def run_ggml(binary: Path, threads: int, case: Case | None = None) -> list[dict[str, Any]]:
+    """One perf run on ``threads`` threads of the five ops, or of ``case`` alone (its op and a
+    filter on its parameters); each case runs for >= 1 s."""
     env = dict(os.environ, GGML_PERF_THREADS=str(threads), **PERF_ENV)
-    done = subprocess.run([str(binary), "perf", "-b", "CPU", "-o", ",".join(OPS)],
-                          env=env, capture_output=True, text=True,
+    command = [str(binary), "perf", "-b", "CPU", "-o", ",".join(OPS)]
+    if case is not None:
+        command[-1] = case.op
+        command += ["-p", case.params_filter()]
+    done = subprocess.run(command, env=env, capture_output=True, text=True,
                           preexec_fn=partial(pin, threads))  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"test-backend-ops failed:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -241,6 +246,11 @@ class Case:
     def matches(self, row: dict[str, Any]) -> bool:
         """Whether a parsed ggml row is this case's."""
         return row["op"] == self.op and all(row["params"].get(n) == v for n, v in self.ggml)
+
+    def params_filter(self) -> str:
+        """A regular expression (ECMAScript, ``test-backend-ops -p``) that the parameters of
+        this case's ggml row match: each ``name=value`` a whole entry of the list."""
+        return "".join(f"(?=.*(^|,){re.escape(f'{n}={v}')}(,|$))" for n, v in self.ggml)
 
 
 def _delta(heads: int, dim: int, length: int, kda: bool) -> Case:
@@ -465,7 +475,7 @@ def output(case: Case, result: Any) -> Any:
     return result[0][:, None] if case.phase == "decode" else result[0]
 
 
-# -- polylin's side: checked, then timed (in a process per thread count) --------------------
+# -- polylin's side: checked, then timed (in a worker per pass and thread count) -----------
 
 #: The largest error allowed against the float64 reference, relative to the output's scale.
 TOLERANCE = 1e-3
@@ -573,33 +583,71 @@ def _floor(
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """Run in a fresh process whose thread variables are set: print the rows as JSON."""
+    """Run in a fresh process whose thread variables are set: for each case name read from
+    standard input, time that case and print its rows as one line of JSON."""
     threads = args.threads[0]
     pin(threads)  # before any library starts a thread: a thread keeps the cores it started on
     import torch
 
     torch.set_num_threads(threads)
-    chosen = [c for c in cases(args.quick) if args.only is None or c.op in args.only]
-    rows = time_polylin(chosen, args.backends, args.repeats, args.budget, args.floors)
-    print(json.dumps(rows))
+    chosen = {c.name: c for c in cases(args.quick)}
+    for line in sys.stdin:
+        case = chosen[line.strip()]
+        print(json.dumps(time_polylin([case], args.backends, args.repeats, args.budget,
+                                      args.floors)), flush=True)  # fmt: skip
 
 
-def run_polylin(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
-    """:func:`time_polylin` in a fresh process with ``threads`` threads everywhere."""
-    env = dict(os.environ, **{name: str(threads) for name in _THREAD_VARIABLES})
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--threads",
-               str(threads), "--repeats", str(args.repeats), "--budget", str(args.budget),
-               "--backends", *args.backends]  # fmt: skip
-    if args.quick:
-        command.append("--quick")
-    if args.floors:
-        command.append("--floors")
-    if args.only:
-        command += ["--only", *args.only]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the polylin worker failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+class PolylinWorker:
+    """:func:`time_polylin` in a fresh process with ``threads`` threads everywhere, one case at
+    a time (:meth:`time`): its time is taken right after ggml's for the same case, so that a
+    machine whose speed drifts from one minute to the next weighs on both sides of a ratio
+    alike."""
+
+    def __init__(self, args: argparse.Namespace, threads: int) -> None:
+        env = dict(os.environ, **{name: str(threads) for name in _THREAD_VARIABLES})
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--threads",
+                   str(threads), "--repeats", str(args.repeats), "--budget", str(args.budget),
+                   "--backends", *args.backends]  # fmt: skip
+        if args.quick:
+            command.append("--quick")
+        if args.floors:
+            command.append("--floors")
+        # Its standard error is this process's: a pipe nobody reads could fill and stall it.
+        self._process = subprocess.Popen(
+            command, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+
+    def time(self, case: Case) -> list[dict[str, Any]]:
+        """The rows of ``case`` (one per backend)."""
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(case.name + "\n")
+        self._process.stdin.flush()
+        line = self._process.stdout.readline()
+        if not line:
+            self._process.communicate()
+            raise RuntimeError(f"the polylin worker failed on {case.name} (its errors above)")
+        return json.loads(line)
+
+    def close(self) -> None:
+        """End the worker (its standard input closed, it returns)."""
+        self._process.communicate()
+
+
+def run_pass(
+    args: argparse.Namespace, binary: Path | None, chosen: list[Case], threads: int
+) -> dict[str, Any]:
+    """One pass on ``threads`` threads: for each case ggml's time, then polylin's."""
+    worker = PolylinWorker(args, threads)
+    ggml: list[dict[str, Any]] = []
+    polylin: list[dict[str, Any]] = []
+    try:
+        for case in chosen:
+            if binary is not None and not args.quick:
+                ggml += run_ggml(binary, threads, case)
+            polylin += worker.time(case)
+    finally:
+        worker.close()
+    return {"threads": threads, "ggml": ggml, "polylin": polylin}
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -710,9 +758,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     for index in range(args.passes):
         for threads in args.threads:
             _say(f"pass {index + 1}/{args.passes}, {threads} thread(s)")
-            ggml = [] if binary is None or args.quick else run_ggml(binary, threads)
-            passes.append({"threads": threads, "ggml": ggml,
-                           "polylin": run_polylin(args, threads)})  # fmt: skip
+            passes.append(run_pass(args, binary, chosen, threads))
     rows, goals = combine(chosen, passes, args.backends)
     print(table(rows))
     report = {

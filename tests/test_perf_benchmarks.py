@@ -147,6 +147,28 @@ def test_ggml_ops_benchmark_polylin_side(tmp_path):
     assert json.loads(out.read_text())["rows"] == report["rows"]
 
 
+def test_ggml_ops_filter_picks_each_case_alone():
+    """Each case's ``test-backend-ops -p`` filter (run one case at a time, paired with polylin's
+    time) matches its own parameter list in any order, and no other case's: a value must be a
+    whole entry (``head_count=32`` is not ``head_count=320``)."""
+    import re
+
+    from benchmarks import ggml_ops
+
+    chosen = ggml_ops.cases()
+    listed = {c.name: ["type=f32", *(f"{n}={v}" for n, v in c.ggml)] for c in chosen}
+    for case in chosen:
+        pattern = case.params_filter()
+        assert re.search(pattern, ",".join(listed[case.name]))
+        assert re.search(pattern, ",".join(reversed(listed[case.name])))
+        for other in chosen:
+            if other.op == case.op and other.name != case.name:
+                assert not re.search(pattern, ",".join(listed[other.name])), other.name
+        longer = [entry + "0" if entry.startswith(case.ggml[0][0] + "=") else entry
+                  for entry in listed[case.name]]  # fmt: skip
+        assert not re.search(pattern, ",".join(longer))
+
+
 def test_ggml_ops_floors():
     """``--floors``: PyTorch's rows get a floor below their own time (prefill: the share of the
     call's matrix products; decoding: the bare state passes, checked against the float64 loop;
