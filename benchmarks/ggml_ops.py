@@ -591,6 +591,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(threads)
     chosen = {c.name: c for c in cases(args.quick)}
+    print(json.dumps("ready"), flush=True)  # imported: ggml's runs no longer share the cores
     for line in sys.stdin:
         case = chosen[line.strip()]
         print(json.dumps(time_polylin([case], args.backends, args.repeats, args.budget,
@@ -616,16 +617,22 @@ class PolylinWorker:
         self._process = subprocess.Popen(
             command, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
+        self._read("its start")  # its imports slowed ggml's first case down 1.8x
 
     def time(self, case: Case) -> list[dict[str, Any]]:
         """The rows of ``case`` (one per backend)."""
-        assert self._process.stdin is not None and self._process.stdout is not None
+        assert self._process.stdin is not None
         self._process.stdin.write(case.name + "\n")
         self._process.stdin.flush()
+        return self._read(case.name)
+
+    def _read(self, what: str) -> Any:
+        """The worker's next line of JSON (``what``: for the error message)."""
+        assert self._process.stdout is not None
         line = self._process.stdout.readline()
         if not line:
             self._process.communicate()
-            raise RuntimeError(f"the polylin worker failed on {case.name} (its errors above)")
+            raise RuntimeError(f"the polylin worker failed on {what} (its errors above)")
         return json.loads(line)
 
     def close(self) -> None:
