@@ -1,13 +1,15 @@
-"""The delta rules' chunk on the CPU: chunk 32 against chunk 64, in one process, alternating.
+"""The delta rules' chunk on the CPU: a shorter chunk against a longer one (32 against 64
+unless ``--chunks`` names others), in one process, alternating.
 
-On one eager CPU thread the delta rules run chunks of at most 32 tokens for keys of up to 128
-channels (``polylin._forms.delta.chunked.ONE_THREAD_CHUNK``); this benchmark lifts that cap for
-its calls, so that each chunk runs as asked, checks that the two chunks give the same outputs
-(to float32 round-off), then times them interleaved (medians; the ratio is chunk 32's time over
-chunk 64's). Forward, or forward and backward with ``--backward`` (PyTorch). Usage::
+On one eager CPU thread the delta rules run chunks of at most
+``polylin._forms.delta.chunked.ONE_THREAD_CHUNK`` tokens for keys of up to 128 channels; this
+benchmark lifts that cap for its calls, so that each chunk runs as asked, checks that the two
+chunks give the same outputs (to float32 round-off), then times them interleaved (medians; the
+ratio is the shorter chunk's time over the longer one's). Forward, or forward and backward with
+``--backward`` (PyTorch). Usage::
 
     python benchmarks/delta_chunks.py [--backend torch|numpy] [--threads 1] [--backward]
-        [--repeats 5] [--quick] [--json out.json]
+        [--chunks 32 64] [--repeats 5] [--quick] [--json out.json]
 
 (glibc told to keep freed memory, ``MALLOC_MMAP_THRESHOLD_=1073741824
 MALLOC_TRIM_THRESHOLD_=2147483648``, makes the figures steadier.) The page "Delta rule" quotes
@@ -46,14 +48,16 @@ SHAPES = [
     (1, 4, 2048, 256, "scalar"),
 ]
 QUICK_SHAPES = [(1, 2, 96, 16, "scalar"), (1, 2, 96, 16, "channel")]
+#: The chunks compared unless ``--chunks`` names others: (shorter, longer).
 CHUNKS = (32, 64)
 
 
 @contextlib.contextmanager
-def chunks_as_asked() -> Iterator[None]:
-    """Every chunk runs as asked: the one-thread cap lifted for the duration."""
+def chunks_as_asked(longest: int = max(CHUNKS)) -> Iterator[None]:
+    """Every chunk up to ``longest`` runs as asked: the one-thread cap lifted for the
+    duration."""
     cap = delta_chunked.ONE_THREAD_CHUNK
-    delta_chunked.ONE_THREAD_CHUNK = max(CHUNKS)
+    delta_chunked.ONE_THREAD_CHUNK = max(cap, longest)
     try:
         yield
     finally:
@@ -93,24 +97,29 @@ def _call(x: dict[str, Any], chunk: int, backward: bool) -> Callable[[Any], Any]
     return run
 
 
-def compare(backend: Backend, shape: tuple, *, repeats: int, backward: bool) -> dict[str, Any]:
-    """Chunk 32 against chunk 64 on one shape: both outputs checked against each other, then
-    timed interleaved; medians in seconds and their ratio."""
+def compare(
+    backend: Backend, shape: tuple, *, repeats: int, backward: bool,
+    chunks: tuple[int, int] = CHUNKS,
+) -> dict[str, Any]:
+    """The shorter of ``chunks`` against the longer on one shape: both outputs checked against
+    each other, then timed interleaved; medians in seconds and their ratio."""
     x = {name: backend.from_numpy(a, "float32") for name, a in make_inputs(shape).items()}
     if backward:
         for leaf in x.values():
             leaf.requires_grad_(True)
-    calls = [_call(x, chunk, backward) for chunk in CHUNKS]
-    with chunks_as_asked():
+    short, long = sorted(chunks)
+    calls = [_call(x, chunk, backward) for chunk in (short, long)]
+    with chunks_as_asked(long):
         outputs = [backend.to_numpy(call().detach() if backward else call()) for call in calls]
         scale = float(np.abs(outputs[1]).max())
         error = float(np.abs(outputs[0] - outputs[1]).max())
         if not error <= 1e-4 * max(scale, 1.0):
-            raise AssertionError(f"{shape}: chunks 32 and 64 differ by {error:.2e}")
-        (t32, _), (t64, _) = interleaved_times(calls, repeats)
+            raise AssertionError(f"{shape}: chunks {short} and {long} differ by {error:.2e}")
+        (t_short, _), (t_long, _) = interleaved_times(calls, repeats)
     B, H, T, d, gate = shape
     return {"batch": B, "heads": H, "T": T, "d": d, "gate": gate, "error": error,
-            "chunk32_s": t32, "chunk64_s": t64, "ratio": t32 / t64}  # fmt: skip
+            "short": short, "long": long, "short_s": t_short, "long_s": t_long,
+            "ratio": t_short / t_long}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -118,6 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--backend", choices=("torch", "numpy"), default="torch")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--backward", action="store_true", help="forward and backward (torch)")
+    parser.add_argument("--chunks", type=int, nargs=2, default=list(CHUNKS),
+                        metavar=("SHORT", "LONG"), help="the two chunks compared")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test)")
     parser.add_argument("--json", default=None)
@@ -127,13 +138,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--backward needs --backend torch")
     if backend is Backend.TORCH:
         backend.module().set_num_threads(args.threads)
+    if min(args.chunks) < 1 or args.chunks[0] == args.chunks[1]:
+        parser.error("--chunks: two different chunk lengths of at least 1 token")
+    short, long = sorted(args.chunks)
     rows = []
-    print("| batch x heads, T, d, gate | chunk 32 | chunk 64 | 32 / 64 |\n|---|---|---|---|")
+    print(f"| batch x heads, T, d, gate | chunk {short} | chunk {long} | {short} / {long} |\n"
+          "|---|---|---|---|")  # fmt: skip
     for shape in QUICK_SHAPES if args.quick else SHAPES:
-        row = compare(backend, shape, repeats=args.repeats, backward=args.backward)
+        row = compare(backend, shape, repeats=args.repeats, backward=args.backward,
+                      chunks=(short, long))  # fmt: skip
         rows.append(row)
         print(f"| {row['batch']} x {row['heads']}, {row['T']}, {row['d']}, {row['gate']} | "
-              f"{row['chunk32_s'] * 1e3:.2f} ms | {row['chunk64_s'] * 1e3:.2f} ms | "
+              f"{row['short_s'] * 1e3:.2f} ms | {row['long_s'] * 1e3:.2f} ms | "
               f"{row['ratio']:.2f} |", flush=True)  # fmt: skip
     meta = run_metadata(
         "python benchmarks/delta_chunks.py " + " ".join(argv if argv is not None else sys.argv[1:]),

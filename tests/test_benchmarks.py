@@ -15,7 +15,7 @@ from benchmarks.cpu import METHODS, SCHEMA
 from benchmarks.registry import MODES, REGISTRY, Setup, Skip, make_call, register
 from benchmarks.report import summarize
 from benchmarks.run import main
-from benchmarks.timing import Progress
+from benchmarks.timing import Progress, cpu_model, run_metadata
 from polylin.testing import Backend
 
 from .reference import masked_kernel, seed_loop
@@ -167,6 +167,16 @@ def test_progress_bar_counts_to_total():
     bar.close()
     last = stream.getvalue().rstrip("\n").split("\r")[-1]
     assert last.startswith("[######] 3/3") and last.rstrip().endswith("c")
+
+
+def test_reports_name_the_processor_and_its_widest_vector_extension():
+    info = ("processor\t: 0\nmodel name\t: AMD EPYC 9B45\ncpu family\t: 26\n"
+            "flags\t\t: fpu avx avx2 avx512f\n")
+    assert cpu_model(info) == {"model": "AMD EPYC 9B45", "family": "26", "vector": "avx512f"}
+    assert cpu_model(info.replace(" avx512f", ""))["vector"] == "avx2"
+    arm = "Features\t: fp asimd evtstrm\nCPU implementer\t: 0x41\n"
+    assert cpu_model(arm) == {"model": "", "family": "", "vector": "asimd"}
+    assert set(run_metadata("python x.py")["cpu"]) <= {"model", "family", "vector"}
 
 
 @pytest.mark.only_backend(Backend.DASK)

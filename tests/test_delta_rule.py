@@ -167,14 +167,18 @@ def test_any_chunk_size(rng, monkeypatch, chunk_size, block_rows):
 @pytest.mark.parametrize(
     "asked, T, d_k, where, want",
     [
-        (64, 4096, 64, "one CPU thread", 32),  # capped: ONE_THREAD_CHUNK
-        (64, 4096, 128, "one CPU thread", 32),
-        (64, 4096, 256, "one CPU thread", 64),  # wider keys: as asked
-        (16, 4096, 64, "one CPU thread", 16),  # shorter than the cap: as asked
-        (64, 20, 64, "one CPU thread", 32),  # no longer than the sequence, a power of two
+        (64, 4096, 64, "one CPU thread, a gradient", 32),  # capped: ONE_THREAD_CHUNK
+        (64, 4096, 128, "one CPU thread, a gradient", 32),
+        (64, 4096, 256, "one CPU thread, a gradient", 64),  # wider keys: as asked
+        (16, 4096, 64, "one CPU thread, a gradient", 16),  # shorter than the cap: as asked
+        (64, 20, 64, "one CPU thread, a gradient", 32),  # no longer than T, a power of two
+        (64, 4096, 64, "one CPU thread, no gradient", 16),  # capped: FORWARD_CHUNK
+        (64, 4096, 128, "one CPU thread, no gradient", 32),  # wider keys: ONE_THREAD_CHUNK
+        (8, 4096, 64, "one CPU thread, no gradient", 8),  # shorter than the cap: as asked
         (64, 4096, 64, "two CPU threads, a gradient", 64),  # the read-out after the loop
         (48, 4096, 64, "two CPU threads, a gradient", 64),  # rounded up to a power of two
-        (64, 4096, 64, "two CPU threads, no gradient", 32),  # the read-out in the loop
+        (64, 4096, 64, "two CPU threads, no gradient", 16),  # the read-out in the loop
+        (64, 4096, 128, "two CPU threads, no gradient", 32),
         (64, 4096, 64, "lazy", 64),  # Dask, torch.compile, JAX traced for an accelerator
         (64, 4096, 64, "scanned", 32),  # JAX traced for the CPU: one scan over the chunks
         (64, 4096, 256, "scanned", 64),
@@ -185,12 +189,14 @@ def test_any_chunk_size(rng, monkeypatch, chunk_size, block_rows):
 def test_chunk_length_follows_the_execution(asked, T, d_k, where, want):
     """The delta rules' chunk length: shorter where an eager CPU loop reads the outputs inside it
     (one thread, or more without a gradient) and in a scan over the chunks (their sequential
-    steps cost less than the products they save), longer on eager accelerators, else as
-    asked."""
+    steps cost less than the products they save), shorter still for narrow keys without a
+    gradient, longer on eager accelerators, else as asked."""
+    forward = {"accelerator": False, "in_loop": True, "forward_only": True}
     execution = {
-        "one CPU thread": {"accelerator": False, "in_loop": True},
+        "one CPU thread, a gradient": {"accelerator": False, "in_loop": True},
+        "one CPU thread, no gradient": forward,
         "two CPU threads, a gradient": {"accelerator": False, "in_loop": False},
-        "two CPU threads, no gradient": {"accelerator": False, "in_loop": True},
+        "two CPU threads, no gradient": forward,
         "lazy": {"accelerator": False, "in_loop": False},
         "scanned": {"accelerator": False, "in_loop": False, "scanned": True},
         "accelerator": {"accelerator": True, "in_loop": False},
@@ -198,7 +204,9 @@ def test_chunk_length_follows_the_execution(asked, T, d_k, where, want):
     assert polylin._forms.delta.chunked.chunk_length(asked, T, d_k, **execution) == want
 
 
-@pytest.mark.parametrize("threads, grad, want", [(1, False, 32), (2, False, 32), (2, True, 64)])
+@pytest.mark.parametrize(
+    "threads, grad, want", [(1, False, 16), (1, True, 32), (2, False, 16), (2, True, 64)]
+)
 def test_the_chunk_follows_the_threads(rng, monkeypatch, threads, grad, want):
     """An eager CPU call asks its threads (``cpu_threads``) and whether a gradient is recorded,
     and runs the chunk :func:`chunk_length` gives for them, with the reference's results either

@@ -288,19 +288,26 @@ def test_ggml_ops_parses_perf_lines_and_skips_without_a_compiler(monkeypatch, tm
     assert "not found: the ggml side is skipped" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("options", [["--backend", "numpy"], ["--backward"]])
-def test_delta_chunks_benchmark(tmp_path, options):
-    """Chunk 32 against 64, each checked against the other, the cap restored afterwards."""
+@pytest.mark.parametrize(
+    "options, chunks",
+    [(["--backend", "numpy"], (32, 64)), (["--backward"], (32, 64)),
+     (["--chunks", "32", "16"], (16, 32))],
+)
+def test_delta_chunks_benchmark(tmp_path, options, chunks):
+    """The shorter chunk against the longer, each checked against the other, the cap restored
+    afterwards."""
     import polylin._forms.delta.chunked as chunked
     from benchmarks import delta_chunks
 
+    cap = chunked.ONE_THREAD_CHUNK
     out = tmp_path / "chunks.json"
     report = delta_chunks.main(["--quick", "--repeats", "2", "--json", str(out), *options])
     assert [(r["T"], r["gate"]) for r in report["rows"]] == [(96, "scalar"), (96, "channel")]
     for row in report["rows"]:
-        assert row["error"] < 1e-4 and row["chunk32_s"] > 0 and row["chunk64_s"] > 0
-        assert row["ratio"] == pytest.approx(row["chunk32_s"] / row["chunk64_s"])
-    assert chunked.ONE_THREAD_CHUNK == 32
+        assert (row["short"], row["long"]) == chunks
+        assert row["error"] < 1e-4 and row["short_s"] > 0 and row["long_s"] > 0
+        assert row["ratio"] == pytest.approx(row["short_s"] / row["long_s"])
+    assert chunked.ONE_THREAD_CHUNK == cap
     assert json.loads(out.read_text())["rows"] == report["rows"]
 
 

@@ -77,6 +77,8 @@ from ..common.prefix import chunk_loop
 __all__ = [
     "ACCELERATOR_CHUNK",
     "BLOCK_ROWS",
+    "FORWARD_CHUNK",
+    "FORWARD_KEYS",
     "ONE_THREAD_CHUNK",
     "ONE_THREAD_KEYS",
     "chunk_length",
@@ -116,6 +118,20 @@ ONE_THREAD_CHUNK = 32
 #: The widest keys that :data:`ONE_THREAD_CHUNK` applies to.
 ONE_THREAD_KEYS = 128
 
+#: The longest chunk of an eager CPU call with no gradient to record (prefill, inference), for
+#: keys of at most :data:`FORWARD_KEYS` channels. There the chunk's own work (the ``C x C``
+#: scores, system and decays: ``C d`` products and ``C`` elementwise terms per token) weighs
+#: more against the state's ``d^2``: on an AVX-512 core (AMD EPYC, Zen 5), chunks of 16 took
+#: 0.84-0.87x the forward time of 32 on one PyTorch thread at d = 64 (the three gates, T =
+#: 512-16384), 0.89-0.98x on two threads (1.06x at T = 16384) and 0.85-0.94x on NumPy; at
+#: d = 128 0.94-0.98x on one thread, 0.99-1.06x on two, 1.01-1.04x on NumPy, so wider keys keep
+#: :data:`ONE_THREAD_CHUNK`. With a gradient chunks of 16 took 1.02-1.16x the forward and
+#: backward time of 32 (``benchmarks/delta_chunks.py --chunks 16 32``).
+FORWARD_CHUNK = 16
+
+#: The widest keys that :data:`FORWARD_CHUNK` applies to.
+FORWARD_KEYS = 64
+
 
 def chunk_length(
     chunk_size: int,
@@ -125,9 +141,12 @@ def chunk_length(
     accelerator: bool,
     in_loop: bool,
     scanned: bool = False,
+    forward_only: bool = False,
 ) -> int:
     """The chunk length the delta rules run: ``chunk_size`` (at most ``T``) rounded up to a power
-    of two, at least :data:`ACCELERATOR_CHUNK` on eager accelerators and at most
+    of two, at least :data:`ACCELERATOR_CHUNK` on eager accelerators, at most
+    :data:`FORWARD_CHUNK` for keys of up to :data:`FORWARD_KEYS` channels on an eager CPU
+    backend with no gradient to record (``forward_only``), and at most
     :data:`ONE_THREAD_CHUNK` for keys of up to :data:`ONE_THREAD_KEYS` channels where an eager
     CPU loop reads each chunk's outputs inside it (``in_loop``: one thread, or more without a
     gradient to record; on two threads chunks of 32 took 0.65-0.93x the forward time of 64 at
@@ -137,6 +156,8 @@ def chunk_length(
     two cores)."""
     if accelerator:  # fewer sequential steps, each a few launches (ACCELERATOR_CHUNK)
         chunk_size = max(chunk_size, ACCELERATOR_CHUNK)
+    elif forward_only and d_k <= FORWARD_KEYS:
+        chunk_size = min(chunk_size, FORWARD_CHUNK)
     elif (scanned or in_loop) and d_k <= ONE_THREAD_KEYS:
         chunk_size = min(chunk_size, ONE_THREAD_CHUNK)
     return 1 << (min(chunk_size, T) - 1).bit_length()
@@ -184,10 +205,12 @@ def delta_chunked(
     scanned = scans_chunks(xp, k)
     # The read-out inside the loop over chunks (_block) on one thread, and on more without a
     # gradient to record.
-    in_loop = eager and (threads == 1 or not records_gradient(q, k, v, beta, g, S))
+    forward_only = eager and not records_gradient(q, k, v, beta, g, S)
+    in_loop = eager and (threads == 1 or forward_only)
     chunk = chunk_length(
-        chunk_size, T, k.shape[-1], accelerator=accelerator, in_loop=in_loop, scanned=scanned
-    )
+        chunk_size, T, k.shape[-1], accelerator=accelerator, in_loop=in_loop, scanned=scanned,
+        forward_only=forward_only,
+    )  # fmt: skip
     n_chunks = -(-T // chunk)
     per_block = n_chunks
     if eager or scanned:
