@@ -9,6 +9,12 @@
   one product in all) are what makes them chunked, and this core does them at the rate it has
   for their sizes. The share of all operations (products or not) is recorded too; the rest of
   the call is Python and dispatch, which a second thread does not shorten.
+- **Prefill: the arithmetic.** The multiply-adds of those products (counted from their shapes
+  in one profiled call, two flops each; a triangular solve ``n^2`` per right-hand column) over
+  the recurrence's own arithmetic, what ggml's loop computes per token (counted from its
+  semantics: :func:`recurrence_flops`). At these head sizes the chunked forms do not save
+  arithmetic: their products hold 1.0-1.5x the loop's, so a core whose compiled loop runs near
+  the rate of its matrix products bounds the chunked forms' ratio from below.
 - **Decoding: the state passes.** The fewest state-sized operations an eager library makes for
   one token, called bare on PyTorch (no argument checks, no plan, every per-token factor made
   beforehand): the decay, the rank-1 update added in place, the read-out, and for the delta rule
@@ -18,6 +24,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +55,63 @@ def profile_shares(fn: Callable[[], Any], calls: int = 3) -> tuple[float, float]
     products = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS)
     operations = sum(e.self_cpu_time_total for e in events)
     return products * 1e-6 / wall, operations * 1e-6 / wall
+
+
+#: The products :func:`product_flops` counts, each with the index of its first operand.
+_PRODUCTS = {
+    "aten::mm": 0, "aten::bmm": 0, "aten::mv": 0, "aten::dot": 0, "aten::baddbmm": 1,
+    "aten::baddbmm_": 1, "aten::addmm": 1, "aten::addmm_": 1, "aten::addbmm": 1,
+    "aten::addbmm_": 1, "aten::addmv": 1, "aten::addmv_": 1,
+}  # fmt: skip
+_SOLVES = ("aten::linalg_solve_triangular",)
+
+
+def product_flops(fn: Callable[[], Any]) -> float:
+    """The flops of the products (:data:`GEMM_OPS`) in one call of ``fn``, from the shapes
+    ``torch.profiler`` records: ``2 m k n`` per batched product (``m k`` the first matrix's
+    elements over the batch), ``n^2`` per right-hand column of a triangular solve
+    (``linalg.solve_triangular``); a product inside another (``mv``'s ``addmv``) counts once."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.timing import _quiet_stderr
+
+    fn()
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    total = 0.0
+    counted = (*_PRODUCTS, *_SOLVES)
+    for event in prof.events():
+        parent = event.cpu_parent
+        if parent is not None and parent.name in counted:
+            continue
+        shapes = [list(shape) for shape in event.input_shapes]
+        if event.name in _SOLVES:  # (A, B): n^2 per right-hand column
+            matrix, rhs = shapes[:2]
+            total += math.prod(rhs) * matrix[-1]
+        elif event.name in _PRODUCTS:  # the product's operands after any added term
+            first, second = shapes[_PRODUCTS[event.name] : _PRODUCTS[event.name] + 2]
+            total += 2.0 * math.prod(first) * (second[-1] if len(second) > 1 else 1)
+    return total
+
+
+#: Flops per token, head and state element of ggml's loop (a multiply-add counts two): the
+#: decay (1), each rank-1 term (2) and each read of the state against a vector (2).
+PASSES = {
+    "gdn": 1 + 2 + 2 + 2,  # decay, S^T k, k (beta (v - S^T k))^T, S^T q
+    "kda": 1 + 2 + 2 + 2,
+    "ssm": 1 + 2 + 2,  # decay, B (x dt)^T, S^T C
+    "wkv7": 1 + 2 + 2 + 2 + 2,  # decay, a^T S, b (a^T S)^T, k v^T, S^T r
+    "gla": 1 + 2 + 2,  # decay, k v^T, S^T q
+}
+
+
+def recurrence_flops(family: str, sizes: dict[str, int]) -> float:
+    """The arithmetic of the recurrence's token loop over a whole prefill (ggml's kernels do
+    it): :data:`PASSES` per state element, per head and token; the convolution two per tap."""
+    if family == "conv":
+        return 2.0 * 4 * sizes["C"] * sizes["T"]
+    state = sizes["N"] * sizes["d"] if family == "ssm" else sizes["d"] ** 2
+    return float(PASSES[family] * state * sizes["H"] * sizes["T"])
 
 
 def state_passes(family: str, x: dict[str, Any]) -> Callable[[], Any]:

@@ -525,7 +525,8 @@ def time_polylin(
     A call whose error exceeds :data:`TOLERANCE` raises: nothing unchecked is timed. On
     ``torch.compile`` and ``jax.jit`` the first call's time (the compilation) is ``compile_s``. With
     ``floors``, PyTorch's rows get ``floor_s`` (``benchmarks/ggml_floors.py``): prefill, the
-    time of the call's matrix products (and ``products_share``, ``operations_share``);
+    time of the call's matrix products (and ``products_share``, ``operations_share``, and their
+    arithmetic against the loop's, ``products_flops`` and ``recurrence_flops``);
     decoding, the bare state passes, checked like the call (none for the convolution's
     prefill)."""
     rows = []
@@ -575,8 +576,10 @@ def _floor(
         return {}
     if case.phase == "prefill":
         products, operations = ggml_floors.profile_shares(fn)
+        loop = ggml_floors.recurrence_flops(case.family, dict(case.sizes))
         return {"floor_s": products * mean, "products_share": products,
-                "operations_share": operations}  # fmt: skip
+                "operations_share": operations, "products_flops": ggml_floors.product_flops(fn),
+                "recurrence_flops": loop}  # fmt: skip
     passes = ggml_floors.state_passes(case.family, x)
     _checked(case, "torch, bare state passes", passes(), want, Backend.TORCH)
     return {"floor_s": _times(passes, repeats, budget_s)[0]}
@@ -686,7 +689,8 @@ def combine(
                        "threads": threads, "backend": backend,
                        "error": max(r["error"] for r in own),
                        "polylin_s": statistics.median(r["seconds"] for r in own)}  # fmt: skip
-                for key in ("floor_s", "compile_s", "products_share", "operations_share"):
+                for key in ("floor_s", "compile_s", "products_share", "operations_share",
+                            "products_flops", "recurrence_flops"):
                     if all(key in r for r in own):
                         row[key] = statistics.median(r[key] for r in own)
                 ratios = [r["seconds"] / g for r, g in zip(own, ggml) if g]
@@ -697,6 +701,8 @@ def combine(
                     if "floor_s" in row:
                         row["floor_ratio"] = statistics.median(
                             r["floor_s"] / g for r, g in zip(own, ggml) if g)
+                    if "recurrence_flops" in row:  # ggml's rate on its loop's arithmetic
+                        row["ggml_gflops"] = row["recurrence_flops"] / row["ggml_s"] * 1e-9
                     goals.append(goal(f"{case.name}, {backend} / ggml, {threads} thread(s)",
                                       row["ratio"], _limit(case)))  # fmt: skip
                 rows.append(row)
@@ -705,7 +711,7 @@ def combine(
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a Markdown table: one line per case and thread count (with ``--floors``,
-    PyTorch's floor as a last column)."""
+    PyTorch's floor as a last column, at prefill with its products' flops over the loop's)."""
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     what = " / ggml" if any("ratio" in r for r in rows) else ""
     floors = any("floor_s" in r for r in rows)
@@ -719,8 +725,12 @@ def table(rows: list[dict[str, Any]]) -> str:
                  if "ratio" in r else f"{r['polylin_s'] * 1e3:.3f} ms" for r in mine]  # fmt: skip
         floor = next((r for r in mine if "floor_s" in r), None)
         if floors:  # the floor over ggml's time, or itself where ggml has no row
-            cells.append("-" if floor is None else f"{floor['floor_ratio']:.2f}"
-                         if "floor_ratio" in floor else f"{floor['floor_s'] * 1e3:.3f} ms")
+            cell = "-" if floor is None else f"{floor['floor_ratio']:.2f}" if (
+                "floor_ratio" in floor) else f"{floor['floor_s'] * 1e3:.3f} ms"  # fmt: skip
+            if floor is not None and floor.get("recurrence_flops"):  # prefill's arithmetic
+                share = floor["products_flops"] / floor["recurrence_flops"]
+                cell += f" ({share:.2f}x the loop's flops)"
+            cells.append(cell)
         lines.append(f"| {key[0]} | {key[1]} | "
                      f"{'-' if ggml is None else f'{ggml * 1e3:.3f} ms'} | "
                      + " | ".join(cells[:len(backends)])

@@ -182,9 +182,13 @@ def test_ggml_ops_floors():
     assert 0 < gla["products_share"] <= gla["operations_share"] <= 1.5
     assert gla["floor_s"] == pytest.approx(gla["products_share"] * gla["seconds"])
     assert 0 < gdn["floor_s"] and "products_share" not in gdn and "floor_s" not in conv
+    # GLA 2 x 16 at T = 24: the loop's decay, update and read, 5 flops per state element
+    assert gla["recurrence_flops"] == 5 * 16 * 16 * 2 * 24 and gla["products_flops"] > 0
     combined, _ = ggml_ops.combine(chosen, [{"threads": 1, "ggml": [], "polylin": rows}], ["torch"])
     text = ggml_ops.table(combined)
     assert "torch's floor |" in text and f"{gdn['floor_s'] * 1e3:.3f} ms |" in text
+    share = gla["products_flops"] / gla["recurrence_flops"]
+    assert f"{gla['floor_s'] * 1e3:.3f} ms ({share:.2f}x the loop's flops) |" in text
 
 
 def test_ggml_floor_products_count_in_place_products():
@@ -199,6 +203,31 @@ def test_ggml_floor_products_count_in_place_products():
     assert products > 0.5 * operations > 0
     products, operations = ggml_floors.profile_shares(lambda: c.mul_(0.5), calls=2)
     assert products == 0 < operations
+
+
+def test_ggml_floor_counts_each_products_arithmetic_once():
+    """Two flops per multiply-add of every product (batched, added in place, matrix-vector:
+    whose kernel is itself a product, counted once), ``n^2`` per column of a triangular solve;
+    elementwise work counts nothing."""
+    import torch
+
+    from benchmarks import ggml_floors
+
+    a, b, c = torch.randn(4, 5, 6), torch.randn(4, 6, 7), torch.zeros(4, 5, 7)
+    m, v = torch.randn(5, 6), torch.randn(6)
+    L = torch.eye(16) + torch.randn(3, 16, 16).tril(-1)
+    cases = [
+        (lambda: a @ b, 2 * 4 * 5 * 6 * 7), (lambda: c.baddbmm_(a, b), 2 * 4 * 5 * 6 * 7),
+        (lambda: m @ v, 2 * 5 * 6), (lambda: v @ v, 2 * 6), (lambda: a * 2.0, 0),
+        (lambda: torch.linalg.solve_triangular(L, b.new_ones(3, 16, 8), upper=False),
+         3 * 16 * 8 * 16),
+    ]  # fmt: skip
+    assert [ggml_floors.product_flops(fn) for fn, _ in cases] == [want for _, want in cases]
+    sizes = {"H": 3, "d": 4, "N": 5, "T": 7, "C": 6}
+    assert ggml_floors.recurrence_flops("gdn", sizes) == 7 * 16 * 3 * 7
+    assert ggml_floors.recurrence_flops("ssm", sizes) == 5 * 20 * 3 * 7
+    assert ggml_floors.recurrence_flops("wkv7", sizes) == 9 * 16 * 3 * 7
+    assert ggml_floors.recurrence_flops("conv", sizes) == 2 * 4 * 6 * 7
 
 
 @pytest.mark.parametrize("family", ["gdn", "kda", "ssm", "wkv7", "gla", "conv"])
