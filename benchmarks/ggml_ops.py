@@ -400,8 +400,9 @@ def reference(case: Case, x: dict[str, np.ndarray]) -> np.ndarray:
 
 
 #: The delta rules' chunk here: what an eager CPU call without a gradient runs by default on
-#: any number of threads (``ONE_THREAD_CHUNK``), and the faster one compiled at these head sizes
-#: (0.66-0.90x the time of 64, compiling 1.7-4.5x longer: ``docs/delta_rule.md``).
+#: any number of threads at d = 128 (``ONE_THREAD_CHUNK``; at d = 64 such a call runs 16,
+#: ``FORWARD_CHUNK``), and the faster one compiled at these head sizes (0.66-0.90x the time of
+#: 64, compiling 1.7-4.5x longer: ``docs/delta_rule.md``).
 DELTA_CHUNK = 32
 
 
