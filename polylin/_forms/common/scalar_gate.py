@@ -36,8 +36,8 @@ per head: ``tests/test_grouped_columns.py``).
 
 Every array here keeps the heads last, as columns: ``G`` is ``(..., C, W)`` for ``W`` heads,
 ``X`` ``(..., C, W, w)``. :func:`half_products` returns ``Y``; :func:`half_products_into` adds it
-to the rows' products with the state, ``u_t (exp(b_m) base_t + ...)``, one batched product per
-half of the rows written into the scaled ``base`` (PyTorch without a gradient to record:
+to the rows' products with the state, ``u_t (exp(b_m) base_t + ...)``, one batched product of
+the whole ``P`` written into the scaled ``base`` (PyTorch without a gradient to record:
 0.87-0.93x the forward time of ``base * exp(b) + Y``, but 1.06-1.14x the time to
 differentiate, and no faster on NumPy, whose sum is a new array anyway).
 """
@@ -127,29 +127,31 @@ def half_factors(xp: Any, G: Any) -> HalfFactors:
 def half_products_into(xp: Any, factors: HalfFactors, P: Any, X: Any, base: Any) -> Any:
     """``exp(b_t) base_t + Y_t``: ``base`` ``(..., n, C, W, w)`` (the rows' products with the
     state, which nothing else reads) and ``Y`` of the module docstring, as
-    ``u_t (exp(b_m) base_t + sum_s P_ts (factor_s x_s))`` with one batched product per half of
-    the rows added into the scaled ``base``."""
+    ``u'_t (s'_t base_t + sum_s P_ts (w'_s x_s))`` with one batched product of the whole
+    ``P`` added into the scaled ``base``.
+
+    Every key's factor ``w'`` is the one the second half's rows meet it with (``c w_1`` in the
+    first half, ``w_2`` in the second), so one scaled copy of ``X`` serves both halves of the
+    rows (``P`` is zero above its diagonal: the first half's rows see only the first half's
+    keys). The first half's rows take the ``c`` back out of their own factors: ``u_1 / c`` and
+    ``c exp(b_m1)`` (``c >= exp(-32)`` where :func:`within_span` admits the gate: no factor
+    overflows or underflows in float32)."""
     *lead, chunk, width, columns = X.shape
     half = chunk // 2
     shrinks_1, shrinks_2 = unstack(xp, factors.shrinks, axis=-3)
-    # Per half of the rows, the factors of every key: the first half's rows meet the first
-    # half's keys (the second half's are masked out of their rows of P: zeros), the second
-    # half's rows both halves, the first through c.
-    keys = xp.stack(
-        [concat_leading(xp, [shrinks_1, xp.zeros_like(shrinks_2)], axis=-2),
-         concat_leading(xp, [shrinks_1 * factors.across, shrinks_2], axis=-2)],
-        axis=-3,
-    )  # fmt: skip
-    met = X[..., None, :, :, :] * keys[..., None]  # (..., 2, C, W, w)
-    acc = xp.reshape(base, (*lead, 2, half, width, columns)) * factors.starts[..., None]
+    grows_1, grows_2 = unstack(xp, factors.grows, axis=-3)
+    keys = concat_leading(xp, [shrinks_1 * factors.across, shrinks_2], axis=-2)
+    met = X * keys[..., None]  # (..., C, W, w): w' x
+    ones = xp.ones_like(factors.across)
+    starts = factors.starts * xp.stack([factors.across, ones], axis=-3)  # (..., 2, 1, W)
+    grows = concat_leading(xp, [grows_1 / factors.across, grows_2], axis=-2)  # (..., C, W)
+    acc = xp.reshape(base, (*lead, 2, half, width, columns)) * starts[..., None]
 
-    def flat(x: Any) -> Any:  # the heads as columns
-        return xp.reshape(x, (*x.shape[:-2], width * columns))
+    def flat(x: Any) -> Any:  # the heads as columns, rows (..., C, W x w)
+        return xp.reshape(x, (*lead, chunk, width * columns))
 
-    rows = xp.reshape(P, (*P.shape[:-2], 2, half, chunk))
-    acc = add_matmul(xp, flat(acc), rows, flat(met), fresh=True)
-    acc = xp.reshape(acc, (*lead, 2, half, width, columns)) * factors.grows[..., None]
-    return xp.reshape(acc, (*lead, chunk, width, columns))
+    acc = add_matmul(xp, flat(acc), P, flat(met), fresh=True)
+    return xp.reshape(acc, (*lead, chunk, width, columns)) * grows[..., None]
 
 
 def half_products(xp: Any, factors: HalfFactors, P: Any, X: Any) -> Any:

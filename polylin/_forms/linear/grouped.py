@@ -58,10 +58,13 @@ from ..common.scalar_gate import (
 __all__ = ["BLOCK_BYTES", "MIN_CHUNKS", "grouped_chunked"]
 
 #: Bytes of values per block (batch x tokens x heads x d_v x itemsize): at Mamba-2's 48 heads x
-#: 64, state 128, 4 MiB is 5 chunks of 64 tokens. Blocks of 128, 256, 512 and 1024 tokens took
+#: 64, state 128, 8 MiB is 10 chunks of 64 tokens. Blocks of 128, 256, 512 and 1024 tokens took
 #: 0.82 / 0.81 / 0.80 / 0.84x the time of the per-head form at T = 2048 on one thread, 0.75 /
-#: 0.65 / 0.65 / 0.66x on two (one block of 64 tokens: 0.83 and 0.89x).
-BLOCK_BYTES = 4 * 2**20
+#: 0.65 / 0.65 / 0.66x on two (one block of 64 tokens: 0.83 and 0.89x); on an AVX-512 core
+#: (Zen 5) 8 MiB took 0.95x the time of 4 MiB on one and two threads there (T = 512: 0.96 /
+#: 0.89x; 16 MiB 0.93-0.94x at T = 2048), 0.99-1.03x at 8 heads (T = 4096) and on NumPy:
+#: fewer blocks, fewer operations.
+BLOCK_BYTES = 8 * 2**20
 
 #: The fewest chunks a sequence needs for this form: with one chunk of 64 tokens it took
 #: 1.10-1.28x the time of the per-head form (8 heads x 64 and 4 x 16, forward and gradient, one
