@@ -124,28 +124,31 @@ def half_factors(xp: Any, G: Any) -> HalfFactors:
     return HalfFactors(xp.exp(e), xp.exp(-e), xp.exp(across), starts)
 
 
-def half_products_into(xp: Any, factors: HalfFactors, P: Any, X: Any, base: Any) -> Any:
-    """``exp(b_t) base_t + Y_t``: ``base`` ``(..., n, C, W, w)`` (the rows' products with the
-    state, which nothing else reads) and ``Y`` of the module docstring, as
-    ``u'_t (s'_t base_t + sum_s P_ts (w'_s x_s))`` with one batched product of the whole
-    ``P`` added into the scaled ``base``.
-
-    Every key's factor ``w'`` is the one the second half's rows meet it with (``c w_1`` in the
-    first half, ``w_2`` in the second), so one scaled copy of ``X`` serves both halves of the
-    rows (``P`` is zero above its diagonal: the first half's rows see only the first half's
-    keys). The first half's rows take the ``c`` back out of their own factors: ``u_1 / c`` and
-    ``c exp(b_m1)`` (``c >= exp(-32)`` where :func:`within_span` admits the gate: no factor
-    overflows or underflows in float32)."""
-    *lead, chunk, width, columns = X.shape
-    half = chunk // 2
+def _one_copy(xp: Any, factors: HalfFactors, X: Any) -> tuple[Any, Any, Any]:
+    """``(w' x, u', s')``: ``X`` ``(..., C, W, w)`` scaled once by every key's factor as the
+    second half's rows meet it (``c w_1`` in the first half, ``w_2`` in the second), so that
+    one product of the whole masked ``P`` serves both halves of the rows (``P`` is zero above
+    its diagonal: the first half's rows see only the first half's keys); the first half's rows
+    take the ``c`` back out of their own factors, ``u' = (u_1 / c, u_2)`` ``(..., C, W)`` and
+    the middle tokens' ``s' = (c exp(b_m1), exp(b_m2))`` ``(..., 2, 1, W)``. ``c >=
+    exp(-32)`` where :func:`within_span` admits the gate: no factor overflows or underflows in
+    float32."""
     shrinks_1, shrinks_2 = unstack(xp, factors.shrinks, axis=-3)
     grows_1, grows_2 = unstack(xp, factors.grows, axis=-3)
     keys = concat_leading(xp, [shrinks_1 * factors.across, shrinks_2], axis=-2)
-    met = X * keys[..., None]  # (..., C, W, w): w' x
-    ones = xp.ones_like(factors.across)
-    starts = factors.starts * xp.stack([factors.across, ones], axis=-3)  # (..., 2, 1, W)
-    grows = concat_leading(xp, [grows_1 / factors.across, grows_2], axis=-2)  # (..., C, W)
-    acc = xp.reshape(base, (*lead, 2, half, width, columns)) * starts[..., None]
+    grows = concat_leading(xp, [grows_1 / factors.across, grows_2], axis=-2)
+    starts = factors.starts * xp.stack([factors.across, xp.ones_like(factors.across)], axis=-3)
+    return X * keys[..., None], grows, starts
+
+
+def half_products_into(xp: Any, factors: HalfFactors, P: Any, X: Any, base: Any) -> Any:
+    """``exp(b_t) base_t + Y_t``: ``base`` ``(..., n, C, W, w)`` (the rows' products with the
+    state, which nothing else reads) and ``Y`` of the module docstring, as
+    ``u'_t (s'_t base_t + sum_s P_ts (w'_s x_s))`` (:func:`_one_copy`) with one batched product
+    of the whole ``P`` added into the scaled ``base``."""
+    *lead, chunk, width, columns = X.shape
+    met, grows, starts = _one_copy(xp, factors, X)
+    acc = xp.reshape(base, (*lead, 2, chunk // 2, width, columns)) * starts[..., None]
 
     def flat(x: Any) -> Any:  # the heads as columns, rows (..., C, W x w)
         return xp.reshape(x, (*lead, chunk, width * columns))
@@ -156,22 +159,12 @@ def half_products_into(xp: Any, factors: HalfFactors, P: Any, X: Any, base: Any)
 
 def half_products(xp: Any, factors: HalfFactors, P: Any, X: Any) -> Any:
     """``Y`` of the module docstring: ``P`` ``(..., n, C, C)`` the masked scores shared by the
-    heads, ``X`` ``(..., n, C, W, w)``; returns ``(..., n, C, W, w)``."""
+    heads, ``X`` ``(..., n, C, W, w)``; returns ``(..., n, C, W, w)``: ``u'_t sum_s P_ts
+    (w'_s x_s)`` (:func:`_one_copy`), one batched product."""
     *lead, chunk, width, columns = X.shape
-    half = chunk // 2
-    X_1, X_2 = unstack(xp, xp.reshape(X, (*lead, 2, half, width, columns)), axis=-4)
-    shrinks_1, shrinks_2 = unstack(xp, factors.shrinks, axis=-3)
-    met_1 = X_1 * shrinks_1[..., None]  # w x, per half
-    met_2 = X_2 * shrinks_2[..., None]
-    met = concat_leading(xp, [met_1 * factors.across[..., None], met_2], axis=-3)
-
-    def flat(x: Any) -> Any:  # the heads as columns
-        return xp.reshape(x, (*x.shape[:-2], width * columns))
-
-    Y_1 = matmul(xp, P[..., :half, :half], flat(met_1))
-    Y_2 = matmul(xp, P[..., half:, :], flat(met))
-    Y = xp.reshape(xp.stack([Y_1, Y_2], axis=-3), (*lead, 2, half, width, columns))
-    return xp.reshape(Y * factors.grows[..., None], (*lead, chunk, width, columns))
+    met, grows, _ = _one_copy(xp, factors, X)
+    Y = matmul(xp, P, xp.reshape(met, (*lead, chunk, width * columns)))
+    return xp.reshape(Y, (*lead, chunk, width, columns)) * grows[..., None]
 
 
 def sum_after(xp: Any, G: Any) -> Any:
