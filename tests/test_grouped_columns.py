@@ -99,7 +99,8 @@ def per_head(monkeypatch):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("backend", [Backend.NUMPY, Backend.TORCH], ids=str)
 def test_same_values_as_the_per_head_form(backend, dtype, monkeypatch, rng):
-    """Float32 too, at a strong but admitted gate: the factors reach exp(+-16)."""
+    """Float32 too, at a strong but admitted gate: the factors reach exp(+-16), the first
+    half's rows' u / c up to exp(48)."""
     if backend.unavailable_reason():
         pytest.skip(backend.unavailable_reason())
     C, K, x, g, _, _ = mamba2_inputs(rng, dtype=dtype)
