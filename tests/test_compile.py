@@ -378,3 +378,19 @@ def test_favor_plus_projection_built_while_compiling(torch) -> None:
         np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
     report = torch._dynamo.explain(polylin.causal_linear_attention)(q, k, v, phi)
     assert report.graph_break_count == 0  # the projection is cached: one graph from now on
+
+
+def test_compiling_any_is_true_only_while_a_tensor_argument_is_traced(torch) -> None:
+    """The plain steps' plan lookup asks torch once whether it traces, then looks for a tensor
+    among the arguments: a traced call with another library's arrays alone keeps its plans."""
+    from polylin._backend.execution import compiling_any
+
+    seen = []
+
+    def f(x):
+        seen.append((compiling_any((None, 1.0, x)), compiling_any((None, 1.0))))
+        return x + 1
+
+    torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2))
+    assert seen == [(True, False)]
+    assert not compiling_any((None, torch.ones(2)))

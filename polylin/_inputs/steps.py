@@ -21,7 +21,7 @@ import numbers
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from .._backend.execution import compiling
+from .._backend.execution import compiling_any
 from .._backend.namespace import is_tracer
 
 __all__ = ["PER_CALL", "PlanCache", "PreparedStep", "call_signature"]
@@ -106,7 +106,7 @@ class PlanCache:
         While ``torch.compile`` traces the call nothing is looked up or kept: the compiled graph
         holds the plan, and Dynamo cannot compare the keys of other libraries' calls (a NumPy
         dtype) when the cache is full and its oldest plan goes."""
-        if any(compiling(x) for x in args):
+        if compiling_any(args):
             return plan(*args)
         key = call_signature(args)
         if key is not None:
