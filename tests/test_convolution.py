@@ -253,6 +253,78 @@ def test_forward_and_backward_are_linear_in_T(backend) -> None:
     assert 0 < large <= 16 * small * 1.01
 
 
+def _counting_convolutions(monkeypatch, torch) -> list[int]:
+    """Calls of PyTorch's ``conv2d`` from here on, counted (the native taps of
+    :mod:`polylin._backend.depthwise`)."""
+    calls: list[int] = []
+    conv2d = torch.nn.functional.conv2d
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return conv2d(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "conv2d", counted)
+    return calls
+
+
+@pytest.mark.only_backend(Backend.TORCH, reason="PyTorch's own depthwise convolution")
+@pytest.mark.parametrize("width", [2, 4])
+def test_the_native_kernel_matches_the_loop(backend, rng, monkeypatch, width: int) -> None:
+    """Above :data:`~polylin._backend.depthwise.NATIVE_MIN_VALUES` outputs, float32 on the CPU
+    with no gradient: PyTorch's convolution sums the taps, with a bias, SiLU, a state, masked
+    inputs (NaN there), the state after them and a sequence axis of the caller's."""
+    torch = backend.module()
+    calls = _counting_convolutions(monkeypatch, torch)
+    x = rng.standard_normal((2, 3, 24, 240))  # 34560 outputs
+    w, b = rng.standard_normal((240, width)), rng.standard_normal(240)
+    state = rng.standard_normal((2, 3, width - 1, 240))
+    mask = np.ones((2, 3, 24), bool)
+    mask[0, 1, :5], mask[1, 2, 20:] = False, False
+    x_nan = np.where(mask[..., None], x, np.nan)
+    want, want_state = reference(x, w, b, "silu", state=state, mask=mask)
+    as32 = [torch.tensor(a, dtype=torch.float32) for a in (x_nan, w, b, state)]
+    out, new = causal_conv1d(*as32[:3], activation="silu", state=as32[3],
+                             attention_mask=torch.tensor(mask), return_state=True)  # fmt: skip
+    assert calls == [1]
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(new.double().numpy(), want_state.astype(np.float32))
+    moved = torch.tensor(np.moveaxis(x, 2, 1), dtype=torch.float32)  # (2, T, 3, 240)
+    out = causal_conv1d(moved, as32[1], seq_axis=1)
+    want, _ = reference(x, w)
+    np.testing.assert_allclose(out.double().numpy(), np.moveaxis(want, 2, 1), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 1]
+
+
+@pytest.mark.only_backend(Backend.TORCH, reason="PyTorch's own depthwise convolution")
+def test_the_native_kernel_runs_only_where_it_applies(backend, rng, monkeypatch) -> None:
+    """Float32 (16-bit inputs work in it), no gradient recorded, at least 16384 outputs, width
+    of at least 2; elsewhere the taps as products, with the same outputs."""
+    torch = backend.module()
+    calls = _counting_convolutions(monkeypatch, torch)
+    x, w = rng.standard_normal((1, 64, 256)), rng.standard_normal((256, 4))
+    expected = torch.tensor(reference(x, w)[0])
+    cases = [  # (x, w, convolutions, tolerance)
+        (torch.tensor(x, dtype=torch.float32), torch.tensor(w, dtype=torch.float32), 1, 1e-5),
+        (torch.tensor(x, dtype=torch.bfloat16), torch.tensor(w, dtype=torch.bfloat16), 1, 5e-2),
+        (torch.tensor(x), torch.tensor(w), 0, 1e-12),  # float64
+        (torch.tensor(x[:, :32], dtype=torch.float32), torch.tensor(w, dtype=torch.float32), 0,
+         1e-5),  # 8192 outputs
+        (torch.tensor(x, dtype=torch.float32, requires_grad=True),
+         torch.tensor(w, dtype=torch.float32), 0, 1e-5),
+    ]  # fmt: skip
+    for xs, ws, convolutions, tol in cases:
+        calls.clear()
+        out = causal_conv1d(xs, ws)
+        assert len(calls) == convolutions, (xs.dtype, xs.shape, xs.requires_grad)
+        want = expected[:, : xs.shape[1]].double()
+        torch.testing.assert_close(out.detach().double(), want, rtol=tol, atol=tol)
+    calls.clear()
+    with torch.no_grad():  # a gradient-requiring input, none recorded: the kernel
+        causal_conv1d(cases[-1][0], cases[-1][1])
+    causal_conv1d(cases[0][0], cases[0][1][:, :1])  # width 1: a product
+    assert calls == [1]
+
+
 def test_bad_input(backend, rng) -> None:
     x, w = backend.from_numpy(rng.standard_normal((2, 5, 3))), backend.from_numpy(np.ones((3, 4)))
     with pytest.raises(ValueError, match="weight must have shape"):
