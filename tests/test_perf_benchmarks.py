@@ -340,6 +340,31 @@ def test_delta_chunks_benchmark(tmp_path, options, chunks):
     assert json.loads(out.read_text())["rows"] == report["rows"]
 
 
+@pytest.mark.parametrize("backward", [False, True])
+def test_short_conv_benchmark(tmp_path, backward):
+    """PyTorch's convolution against the taps as products, each checked against the other, in
+    both dtypes; the threshold restored afterwards, and ``chosen`` as ``causal_conv1d``
+    chooses."""
+    pytest.importorskip("torch")
+    import polylin._backend.depthwise as depthwise
+    from benchmarks import short_conv
+
+    least = depthwise.NATIVE_MIN_VALUES
+    out = tmp_path / "conv.json"
+    options = ["--quick", "--repeats", "2", "--json", str(out)] + (["--backward"] * backward)
+    report = short_conv.main(options)
+    shapes = [(r["T"], r["channels"], r["width"], r["dtype"]) for r in report["rows"]]
+    assert shapes == [(8, 16, 4, "float32"), (40, 512, 3, "float32"), (8, 16, 4, "float64"),
+                      (40, 512, 3, "float64")]  # fmt: skip
+    for row in report["rows"]:
+        assert row["error"] < 1e-5 and row["kernel_s"] > 0 and row["taps_s"] > 0
+        assert row["ratio"] == pytest.approx(row["kernel_s"] / row["taps_s"])
+        assert row["backward"] is backward
+    assert [r["chosen"] for r in report["rows"]] == [False, not backward, False, False]
+    assert depthwise.NATIVE_MIN_VALUES == least
+    assert json.loads(out.read_text())["rows"] == report["rows"]
+
+
 def test_delta_chunks_runs_each_chunk_as_asked():
     """Inside the benchmark's context one thread runs 64 when asked (the cap lifted)."""
     import polylin._forms.delta.chunked as chunked

@@ -5,11 +5,13 @@ array-API form is a product and ``width - 1`` multiply-adds over the whole seque
 ``addcmul``: one pass each). On PyTorch's CPU, in float32 where no gradient is recorded
 (prefill, inference), the same sum is one call of PyTorch's depthwise convolution, which reads
 the channels-last layout of the sequence as it is (oneDNN's kernel: one pass over the input).
-SSM_CONV's shape, 3328 channels, T = 512, width 4: 0.43 against 4.3 ms on one thread, 0.23
-against 1.8-2.6 on two, equal to the last bit without a bias (``benchmarks/ggml_ops.py``; the page
-"Performance" has the figures). With a gradient to record its backward (the taps' gradient
-above all) took up to 3.4x the time of the array-API form's, and in float64 PyTorch has no such
-kernel (4.5x slower): the array-API form runs there, as on every other library and device.
+SSM_CONV's shape, 3328 channels, T = 512, width 4: 0.06 / 0.08 of ggml's time on one / two
+threads against 0.42 / 0.68 as products (``benchmarks/ggml_ops.py``), equal to the last bit
+without a bias; 0.17-0.59x the products' time from 32768 outputs up (one thread,
+``benchmarks/short_conv.py``). With a gradient to record, conv2d's forward and backward took
+1.0-2.8x the products' (``--backward``), in float64, where PyTorch has no such kernel, 3.9x and
+more, and below about 16384 outputs its fixed cost (about 30 us) is more than the products
+take: the products run there, as on every other library and device.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from .execution import compiling, records_gradient, torch_transforming
 from .namespace import torch_module, torch_namespace_of
 from .ops import add_scaled
 
-__all__ = ["NATIVE_MIN_VALUES", "causal_taps"]
+__all__ = ["NATIVE_MIN_VALUES", "causal_taps", "convolved_taps"]
 
 #: The fewest output values (batch x T x channels) from which PyTorch's convolution runs the
 #: taps: its call costs about 30 us whatever the size, the array-API form's four operations
-#: 15 us and 1.7 ns per value (one thread; 3328 values: 20 against 35 us, 16384: 42 against
-#: 32 us).
+#: 15 us and 1.7 ns per value (one thread, width 4: 3328 values 25 against 41 us with the
+#: state's concatenation, 16384 42 against 32 us without, 32768 78 against 46 us with it).
 NATIVE_MIN_VALUES = 16384
 
 
@@ -54,7 +56,7 @@ def _native_taps(ext: Any, weight: Any, bias: Any | None, length: int) -> Any | 
     if torch_namespace_of(ext) is None:
         return None
     torch = torch_module()
-    *lead, rows, channels = ext.shape
+    *lead, _, channels = ext.shape
     width = weight.shape[1]
     given = [ext, weight] + ([] if bias is None else [bias])
     if (width < 2 or math.prod(lead) * length * channels < NATIVE_MIN_VALUES
@@ -63,9 +65,18 @@ def _native_taps(ext: Any, weight: Any, bias: Any | None, length: int) -> Any | 
             or compiling(ext) or torch_transforming(ext)
             or records_gradient(*given)):  # fmt: skip
         return None
+    return convolved_taps(ext, weight, bias, length)
+
+
+def convolved_taps(ext: Any, weight: Any, bias: Any | None, length: int) -> Any:
+    """:func:`causal_taps` as one call of PyTorch's depthwise ``conv2d``, whatever the dtype,
+    device or gradient (:func:`causal_taps` calls it where it is the faster;
+    ``benchmarks/short_conv.py`` times it everywhere)."""
+    *lead, rows, channels = ext.shape
+    width = weight.shape[1]
     # (batch, channels, 1, rows) with the channels varying fastest: the channels-last layout of
     # a 2-d convolution, which the kernel reads without a copy; its output is laid out alike.
     image = ext.reshape(-1, rows, channels).transpose(1, 2)[:, :, None, :]
     taps = weight.reshape(channels, 1, 1, width)
-    out = torch.nn.functional.conv2d(image, taps, bias, groups=channels)
+    out = torch_module().nn.functional.conv2d(image, taps, bias, groups=channels)
     return out[:, :, 0, :].transpose(1, 2).reshape(*lead, length, channels)
