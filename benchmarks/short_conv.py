@@ -1,13 +1,13 @@
 """The short causal convolution on PyTorch's CPU: its own depthwise convolution against the
 taps as products, on the same inputs, in one process, alternating.
 
-``causal_conv1d`` sums its taps with one call of PyTorch's ``conv2d`` where that is the faster
-(``polylin._backend.depthwise``: float32, no gradient to record, at least
-``NATIVE_MIN_VALUES`` outputs) and as products (one ``addcmul`` per tap) elsewhere. This
-benchmark times both on every shape, in float32 and float64, forward or (``--backward``)
-forward and backward through autograd: ``convolved_taps`` (the kernel, whatever the dtype or
-gradient) against ``causal_taps`` with the kernel turned off for the call. The two outputs are
-checked against each other first. Usage::
+``causal_conv1d`` sums its taps with PyTorch's ``conv2d`` where that is the faster
+(``polylin._backend.depthwise``: float32 on the CPU, at least ``NATIVE_MIN_VALUES`` outputs,
+with a gradient ``GRADIENT_MIN_VALUES`` and a backward of its own) and as products (one
+``addcmul`` per tap) elsewhere. This benchmark times both on every shape, in float32 and
+float64, forward or (``--backward``) forward and backward: ``kernel_taps`` (the kernel,
+whatever the dtype) against ``causal_taps`` with the kernel turned off for the call. The two
+outputs are checked against each other first. Usage::
 
     python benchmarks/short_conv.py [--threads 1] [--dtypes float32 float64] [--backward]
         [--repeats 15] [--quick] [--json out.json]
@@ -55,12 +55,12 @@ QUICK_SHAPES = [(1, 8, 16, 4), (2, 40, 512, 3)]
 @contextlib.contextmanager
 def kernel_off() -> Iterator[None]:
     """``causal_taps`` as products for the duration, whatever the size."""
-    least = depthwise.NATIVE_MIN_VALUES
-    depthwise.NATIVE_MIN_VALUES = sys.maxsize
+    least = depthwise.NATIVE_MIN_VALUES, depthwise.GRADIENT_MIN_VALUES
+    depthwise.NATIVE_MIN_VALUES = depthwise.GRADIENT_MIN_VALUES = sys.maxsize
     try:
         yield
     finally:
-        depthwise.NATIVE_MIN_VALUES = least
+        depthwise.NATIVE_MIN_VALUES, depthwise.GRADIENT_MIN_VALUES = least
 
 
 def _call(x: dict[str, Any], length: int, kernel: bool, backward: bool) -> Callable[..., Any]:
@@ -72,7 +72,7 @@ def _call(x: dict[str, Any], length: int, kernel: bool, backward: bool) -> Calla
     def run(_: Any = None) -> Any:
         ext = torch.cat([x["state"], x["x"]], dim=-2)
         if kernel:
-            out = depthwise.convolved_taps(ext, x["weight"], None, length)
+            out = depthwise.kernel_taps(ext, x["weight"], None)
         else:
             with kernel_off():
                 out = depthwise.causal_taps(torch, ext, x["weight"], None, length)
@@ -103,8 +103,8 @@ def compare(shape: tuple, dtype: str, *, repeats: int, backward: bool) -> dict[s
     if not error <= (1e-5 if dtype == "float32" else 1e-12):
         raise AssertionError(f"{shape} {dtype}: the kernel and the products differ by {error:.2e}")
     (kernel_s, _), (taps_s, _) = interleaved_times(calls, repeats)
-    chosen = (dtype == "float32" and not backward and width > 1
-              and batch * length * channels >= depthwise.NATIVE_MIN_VALUES)  # fmt: skip
+    least = depthwise.GRADIENT_MIN_VALUES if backward else depthwise.NATIVE_MIN_VALUES
+    chosen = dtype == "float32" and width > 1 and batch * length * channels >= least
     return {"batch": batch, "T": length, "channels": channels, "width": width, "dtype": dtype,
             "backward": backward, "error": error, "kernel_s": kernel_s, "taps_s": taps_s,
             "ratio": kernel_s / taps_s, "chosen": chosen}  # fmt: skip

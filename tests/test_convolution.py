@@ -297,20 +297,24 @@ def test_the_native_kernel_matches_the_loop(backend, rng, monkeypatch, width: in
 
 @pytest.mark.only_backend(Backend.TORCH, reason="PyTorch's own depthwise convolution")
 def test_the_native_kernel_runs_only_where_it_applies(backend, rng, monkeypatch) -> None:
-    """Float32 (16-bit inputs work in it), no gradient recorded, at least 16384 outputs, width
-    of at least 2; elsewhere the taps as products, with the same outputs."""
+    """Float32 (16-bit inputs work in it), at least 16384 outputs (65536 with a gradient to
+    record), width of at least 2; elsewhere the taps as products, with the same outputs."""
     torch = backend.module()
     calls = _counting_convolutions(monkeypatch, torch)
-    x, w = rng.standard_normal((1, 64, 256)), rng.standard_normal((256, 4))
+    x, w = rng.standard_normal((1, 256, 256)), rng.standard_normal((256, 4))
     expected = torch.tensor(reference(x, w)[0])
+
+    def as32(a, grad=False):
+        return torch.tensor(a, dtype=torch.float32, requires_grad=grad)
+
     cases = [  # (x, w, convolutions, tolerance)
-        (torch.tensor(x, dtype=torch.float32), torch.tensor(w, dtype=torch.float32), 1, 1e-5),
-        (torch.tensor(x, dtype=torch.bfloat16), torch.tensor(w, dtype=torch.bfloat16), 1, 5e-2),
-        (torch.tensor(x), torch.tensor(w), 0, 1e-12),  # float64
-        (torch.tensor(x[:, :32], dtype=torch.float32), torch.tensor(w, dtype=torch.float32), 0,
-         1e-5),  # 8192 outputs
-        (torch.tensor(x, dtype=torch.float32, requires_grad=True),
-         torch.tensor(w, dtype=torch.float32), 0, 1e-5),
+        (as32(x[:, :64]), as32(w), 1, 1e-5),  # 16384 outputs
+        (torch.tensor(x[:, :64], dtype=torch.bfloat16), torch.tensor(w, dtype=torch.bfloat16),
+         1, 5e-2),
+        (torch.tensor(x[:, :64]), torch.tensor(w), 0, 1e-12),  # float64
+        (as32(x[:, :32]), as32(w), 0, 1e-5),  # 8192 outputs
+        (as32(x[:, :128], grad=True), as32(w), 0, 1e-5),  # 32768 outputs and a gradient
+        (as32(x), as32(w, grad=True), 1, 1e-5),  # 65536 outputs and a gradient
     ]  # fmt: skip
     for xs, ws, convolutions, tol in cases:
         calls.clear()
@@ -320,9 +324,81 @@ def test_the_native_kernel_runs_only_where_it_applies(backend, rng, monkeypatch)
         torch.testing.assert_close(out.detach().double(), want, rtol=tol, atol=tol)
     calls.clear()
     with torch.no_grad():  # a gradient-requiring input, none recorded: the kernel
-        causal_conv1d(cases[-1][0], cases[-1][1])
+        causal_conv1d(cases[-2][0], cases[-2][1])
     causal_conv1d(cases[0][0], cases[0][1][:, :1])  # width 1: a product
     assert calls == [1]
+
+
+def _kernel_everywhere(monkeypatch) -> None:
+    """The native taps at every size (float32 on the CPU): small enough for numeric gradients."""
+    import polylin._backend.depthwise as depthwise
+
+    monkeypatch.setattr(depthwise, "NATIVE_MIN_VALUES", 0)
+    monkeypatch.setattr(depthwise, "GRADIENT_MIN_VALUES", 0)
+
+
+@pytest.mark.only_backend(Backend.TORCH, reason="the native kernel's autograd")
+def test_the_native_kernels_gradients_match_the_loop(backend, rng, monkeypatch) -> None:
+    """The kernel's own backward (the taps reversed for the inputs, a product and sum per tap)
+    against central differences of the float64 loop: inputs, taps, bias and state, through SiLU
+    and a mask; the backward is a convolution too."""
+    torch = backend.module()
+    _kernel_everywhere(monkeypatch)
+    calls = _counting_convolutions(monkeypatch, torch)
+    x, w, b = rng.standard_normal((2, 6, 3)), rng.standard_normal((3, 4)), rng.standard_normal(3)
+    state = rng.standard_normal((2, 3, 3))
+    mask = np.ones((2, 6), bool)
+    mask[1, 4:] = False
+    ts = [torch.tensor(a, dtype=torch.float32, requires_grad=True) for a in (x, w, b, state)]
+    out = causal_conv1d(*ts[:3], activation="silu", state=ts[3], attention_mask=torch.tensor(mask))
+    cot = rng.standard_normal(out.shape)
+    grads = torch.autograd.grad(out, ts, torch.tensor(cot, dtype=torch.float32))
+    assert len(calls) == 2  # the forward's convolution and the inputs' gradient
+
+    def loss(arrays):
+        return float(np.sum(reference(*arrays[:3], "silu", state=arrays[3], mask=mask)[0] * cot))
+
+    arrays = [x, w, b, state]
+    for i, g in enumerate(grads):
+        numeric = np.zeros(arrays[i].shape)
+        for index in np.ndindex(*arrays[i].shape):
+            up = [a.copy() for a in arrays]
+            down = [a.copy() for a in arrays]
+            up[i][index] += 1e-6
+            down[i][index] -= 1e-6
+            numeric[index] = (loss(up) - loss(down)) / 2e-6
+        np.testing.assert_allclose(g.double().numpy(), numeric, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.only_backend(Backend.TORCH, reason="the native kernel's autograd")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_the_native_kernel_differentiates_twice_and_forward(backend, rng, monkeypatch) -> None:
+    """Second derivatives (``create_graph``) and forward-mode derivatives through the kernel
+    equal those of the products (the same call with the kernel off)."""
+    import polylin._backend.depthwise as depthwise
+
+    torch = backend.module()
+    forward_ad = torch.autograd.forward_ad  # its first use scripts a helper (a warning of torch)
+    x, w = rng.standard_normal((2, 9, 5)), rng.standard_normal((5, 3))
+    b, cot = rng.standard_normal(5), rng.standard_normal((2, 9, 5))
+    tangents = [rng.standard_normal(a.shape) for a in (x, w, b)]
+
+    def derivatives(least: int):
+        monkeypatch.setattr(depthwise, "NATIVE_MIN_VALUES", least)
+        monkeypatch.setattr(depthwise, "GRADIENT_MIN_VALUES", least)
+        ts = [torch.tensor(a, dtype=torch.float32, requires_grad=True) for a in (x, w, b)]
+        out = causal_conv1d(*ts, activation="silu")
+        first = torch.autograd.grad(out, ts, torch.tensor(cot, dtype=torch.float32),
+                                    create_graph=True)  # fmt: skip
+        second = torch.autograd.grad(sum((g * g).sum() for g in first), ts)
+        with forward_ad.dual_level():
+            duals = [forward_ad.make_dual(t, torch.tensor(d, dtype=torch.float32))
+                     for t, d in zip(ts, tangents)]  # fmt: skip
+            jvp = forward_ad.unpack_dual(causal_conv1d(*duals, activation="silu")).tangent
+        return [g.detach() for g in (*first, *second, jvp)]
+
+    for kernel, products in zip(derivatives(0), derivatives(2**62)):
+        torch.testing.assert_close(kernel, products, rtol=1e-4, atol=1e-5)
 
 
 def test_bad_input(backend, rng) -> None:

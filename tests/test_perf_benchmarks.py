@@ -349,7 +349,7 @@ def test_short_conv_benchmark(tmp_path, backward):
     import polylin._backend.depthwise as depthwise
     from benchmarks import short_conv
 
-    least = depthwise.NATIVE_MIN_VALUES
+    least = depthwise.NATIVE_MIN_VALUES, depthwise.GRADIENT_MIN_VALUES
     out = tmp_path / "conv.json"
     options = ["--quick", "--repeats", "2", "--json", str(out)] + (["--backward"] * backward)
     report = short_conv.main(options)
@@ -361,7 +361,7 @@ def test_short_conv_benchmark(tmp_path, backward):
         assert row["ratio"] == pytest.approx(row["kernel_s"] / row["taps_s"])
         assert row["backward"] is backward
     assert [r["chosen"] for r in report["rows"]] == [False, not backward, False, False]
-    assert depthwise.NATIVE_MIN_VALUES == least
+    assert (depthwise.NATIVE_MIN_VALUES, depthwise.GRADIENT_MIN_VALUES) == least
     assert json.loads(out.read_text())["rows"] == report["rows"]
 
 

@@ -2,34 +2,44 @@
 
 :func:`causal_taps` sums ``width`` shifted views of one padded array, each times its tap. The
 array-API form is a product and ``width - 1`` multiply-adds over the whole sequence (PyTorch's
-``addcmul``: one pass each). On PyTorch's CPU, in float32 where no gradient is recorded
-(prefill, inference), the same sum is one call of PyTorch's depthwise convolution, which reads
-the channels-last layout of the sequence as it is (oneDNN's kernel: one pass over the input).
-SSM_CONV's shape, 3328 channels, T = 512, width 4: 0.06 / 0.08 of ggml's time on one / two
-threads against 0.42 / 0.68 as products (``benchmarks/ggml_ops.py``), equal to the last bit
-without a bias; 0.17-0.59x the products' time from 32768 outputs up (one thread,
-``benchmarks/short_conv.py``). With a gradient to record, conv2d's forward and backward took
-1.0-2.8x the products' (``--backward``), in float64, where PyTorch has no such kernel, 3.9x and
-more, and below about 16384 outputs its fixed cost (about 30 us) is more than the products
-take: the products run there, as on every other library and device.
+``addcmul``: one pass each). On PyTorch's CPU in float32 the same sum is one call of PyTorch's
+depthwise convolution (:func:`kernel_taps`), which reads the channels-last layout of the
+sequence as it is (oneDNN's kernel: one pass over the input), and where a gradient is recorded
+its backward is a convolution too (the outputs' gradient with the taps reversed) and one
+product and sum per tap for the taps' gradient. SSM_CONV's shape, 3328 channels, T = 512,
+width 4: 0.06 / 0.08 of ggml's time on one / two threads against 0.42 / 0.68 as products
+(``benchmarks/ggml_ops.py``), equal to the last bit without a bias; from 32768 outputs up
+0.19-0.62x the products' forward time and, from 131072 up, 0.35-0.87x their forward and
+backward time (one thread, ``benchmarks/short_conv.py``; ``conv2d``'s own backward took
+1.0-2.8x). Below :data:`NATIVE_MIN_VALUES` outputs (:data:`GRADIENT_MIN_VALUES` with a
+gradient) the kernel's fixed cost is more than the products take, and in float64, which oneDNN
+does not cover, it is 2.8-89x slower: the products run there, as on every other library and
+device, under ``torch.compile`` (whose compiler fuses them) and inside ``torch.func``
+transforms.
 """
 
 from __future__ import annotations
 
 import math
+from functools import cache
 from typing import Any
 
 from .execution import compiling, records_gradient, torch_transforming
 from .namespace import torch_module, torch_namespace_of
 from .ops import add_scaled
 
-__all__ = ["NATIVE_MIN_VALUES", "causal_taps", "convolved_taps"]
+__all__ = ["GRADIENT_MIN_VALUES", "NATIVE_MIN_VALUES", "causal_taps", "kernel_taps"]
 
 #: The fewest output values (batch x T x channels) from which PyTorch's convolution runs the
 #: taps: its call costs about 30 us whatever the size, the array-API form's four operations
 #: 15 us and 1.7 ns per value (one thread, width 4: 3328 values 25 against 41 us with the
 #: state's concatenation, 16384 42 against 32 us without, 32768 78 against 46 us with it).
 NATIVE_MIN_VALUES = 16384
+
+#: The same where a gradient is recorded: there ``autograd.Function``'s own cost comes on top
+#: (at 32768 values, width 4, one thread: 1.06x the products' forward and backward; at 131072
+#: 0.72x).
+GRADIENT_MIN_VALUES = 65536
 
 
 def causal_taps(xp: Any, ext: Any, weight: Any, bias: Any | None, length: int) -> Any:
@@ -50,33 +60,93 @@ def causal_taps(xp: Any, ext: Any, weight: Any, bias: Any | None, length: int) -
 
 
 def _native_taps(ext: Any, weight: Any, bias: Any | None, length: int) -> Any | None:
-    """:func:`causal_taps` by PyTorch's depthwise convolution on the CPU (float32, eager, no
-    gradient to record, at least :data:`NATIVE_MIN_VALUES` outputs, oneDNN enabled), else
-    ``None``."""
+    """:func:`causal_taps` by :func:`kernel_taps` on PyTorch's CPU (float32, eager, outside
+    ``torch.func`` transforms, at least :data:`NATIVE_MIN_VALUES` outputs or, with a gradient to
+    record, :data:`GRADIENT_MIN_VALUES`, oneDNN enabled), else ``None``."""
     if torch_namespace_of(ext) is None:
         return None
     torch = torch_module()
     *lead, _, channels = ext.shape
-    width = weight.shape[1]
     given = [ext, weight] + ([] if bias is None else [bias])
-    if (width < 2 or math.prod(lead) * length * channels < NATIVE_MIN_VALUES
+    least = GRADIENT_MIN_VALUES if records_gradient(*given) else NATIVE_MIN_VALUES
+    if (weight.shape[1] < 2 or math.prod(lead) * length * channels < least
             or ext.device.type != "cpu" or any(x.dtype != torch.float32 for x in given)
             or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
-            or compiling(ext) or torch_transforming(ext)
-            or records_gradient(*given)):  # fmt: skip
+            or compiling(ext) or torch_transforming(ext)):  # fmt: skip
         return None
-    return convolved_taps(ext, weight, bias, length)
+    return kernel_taps(ext, weight, bias)
 
 
-def convolved_taps(ext: Any, weight: Any, bias: Any | None, length: int) -> Any:
-    """:func:`causal_taps` as one call of PyTorch's depthwise ``conv2d``, whatever the dtype,
-    device or gradient (:func:`causal_taps` calls it where it is the faster;
-    ``benchmarks/short_conv.py`` times it everywhere)."""
+def kernel_taps(ext: Any, weight: Any, bias: Any | None) -> Any:
+    """:func:`causal_taps` by PyTorch's depthwise convolution, whatever the dtype or device
+    (:func:`causal_taps` calls it where it is the faster; ``benchmarks/short_conv.py`` times it
+    everywhere). Where a gradient is recorded, through :func:`_taps_function`: the gradient of
+    the inputs is the same convolution of the outputs' gradient with the taps reversed, the
+    taps' gradient one product and sum per tap (``conv2d``'s own backward took 1.0-2.8x the
+    products' time for both)."""
+    torch = torch_module()
+    given = [ext, weight] + ([] if bias is None else [bias])
+    if torch.is_grad_enabled() and any(x.requires_grad for x in given):
+        return _taps_function(torch).apply(ext, weight, bias)
+    return _convolved(torch, ext, weight, bias)
+
+
+def _convolved(torch: Any, ext: Any, weight: Any, bias: Any | None, padding: int = 0) -> Any:
+    """The depthwise correlation of ``ext`` ``(..., rows, channels)`` with ``weight``
+    ``(channels, width)`` (``padding`` zeros before and after the rows), plus ``bias``:
+    ``(..., rows + 2 padding - width + 1, channels)``, one ``conv2d`` call."""
     *lead, rows, channels = ext.shape
     width = weight.shape[1]
     # (batch, channels, 1, rows) with the channels varying fastest: the channels-last layout of
     # a 2-d convolution, which the kernel reads without a copy; its output is laid out alike.
     image = ext.reshape(-1, rows, channels).transpose(1, 2)[:, :, None, :]
     taps = weight.reshape(channels, 1, 1, width)
-    out = torch_module().nn.functional.conv2d(image, taps, bias, groups=channels)
-    return out[:, :, 0, :].transpose(1, 2).reshape(*lead, length, channels)
+    out = torch.nn.functional.conv2d(image, taps, bias, groups=channels, padding=(0, padding))
+    return out[:, :, 0, :].transpose(1, 2).reshape(*lead, out.shape[-1], channels)
+
+
+@cache
+def _taps_function(torch: Any) -> Any:
+    """The ``torch.autograd.Function`` of :func:`kernel_taps` with a gradient (one per torch
+    module, built at the first call). Its backward and forward-mode rule are convolutions,
+    products and sums, so that they differentiate again."""
+
+    class DepthwiseTaps(torch.autograd.Function):
+        @staticmethod
+        def forward(ext: Any, weight: Any, bias: Any | None) -> Any:
+            return _convolved(torch, ext, weight, bias)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, Any, Any], output: Any) -> None:
+            ext, weight, _ = inputs
+            ctx.save_for_backward(ext, weight)
+            ctx.save_for_forward(ext, weight)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> tuple[Any, Any, Any]:
+            ext, weight = ctx.saved_tensors
+            width, (length, channels) = weight.shape[1], grad.shape[-2:]
+            grad_ext = grad_weight = grad_bias = None
+            if ctx.needs_input_grad[0]:  # sum_i grad[t - i] w_i: the taps reversed, zero-padded
+                grad_ext = _convolved(torch, grad, weight.flip(1), None, width - 1)
+            if ctx.needs_input_grad[1]:
+                rows = ext.reshape(-1, ext.shape[-2], channels)
+                flat = grad.reshape(-1, length, channels)
+                grad_weight = torch.stack(
+                    [(rows[:, i : i + length] * flat).sum((0, 1)) for i in range(width)], dim=1
+                )
+            if ctx.needs_input_grad[2]:
+                grad_bias = grad.reshape(-1, channels).sum(0)
+            return grad_ext, grad_weight, grad_bias
+
+        @staticmethod
+        def jvp(ctx: Any, ext_t: Any, weight_t: Any, bias_t: Any) -> Any:
+            ext, weight = ctx.saved_tensors
+            terms = [] if bias_t is None else [bias_t]
+            if ext_t is not None:
+                terms.append(_convolved(torch, ext_t, weight, None))
+            if weight_t is not None:
+                terms.append(_convolved(torch, ext, weight_t, None))
+            return sum(terms[1:], terms[0])
+
+    return DepthwiseTaps
