@@ -37,8 +37,8 @@ __all__ = ["GRADIENT_MIN_VALUES", "NATIVE_MIN_VALUES", "causal_taps", "kernel_ta
 NATIVE_MIN_VALUES = 16384
 
 #: The same where a gradient is recorded: there ``autograd.Function``'s own cost comes on top
-#: (at 32768 values, width 4, one thread: 1.06x the products' forward and backward; at 131072
-#: 0.72x).
+#: (width 4, one thread, two runs: at 32768 values 1.02-1.06x the products' forward and
+#: backward time, at 131072 0.69-0.72x).
 GRADIENT_MIN_VALUES = 65536
 
 
