@@ -33,8 +33,16 @@ import generate_numpy  # noqa: E402
 
 TINY = ["--batch", "4", "--context", "24", "--d-model", "16", "--heads", "2", "--layers", "1"]
 TINY += ["--threads", "1", "--lr", "1e-2"]
-TINY_STEPS = 8
-GDN_STEPS = 12
+#: The training text is the documentation, so every edit of a page moves the loss curve, and
+#: each step's loss is one batch of 96 characters (about +-0.1 between batches): in eight steps
+#: the last loss fell by 0.25-0.47 from one version of the pages to the next. Sixteen steps, and
+#: the mean of the last four losses (:func:`learned`), fell by 0.54-0.66.
+TINY_STEPS = 16
+
+
+def learned(losses: list[float]) -> bool:
+    """The model learns: the mean of the last four losses is 0.3 below the first."""
+    return sum(losses[-4:]) / 4 < losses[0] - 0.3
 
 
 def run_script(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -76,7 +84,7 @@ def test_torch_training_writes_weights_vocab_sample_and_losses(torch_run: Path) 
     losses = charlm.read_losses(torch_run / "losses.csv")
     assert len(losses) == TINY_STEPS and all(math.isfinite(x) for x in losses)
     assert losses[0] == pytest.approx(math.log(len(vocab)), abs=0.1)  # small initial logits
-    assert losses[-1] < losses[0] - 0.3  # it learns
+    assert learned(losses)
     assert (torch_run / "loss.png").stat().st_size > 1000
 
 
@@ -115,17 +123,12 @@ def test_numpy_generation_reproduces_the_sample_without_torch(torch_run: Path, t
 @pytest.fixture(scope="module")
 def gdn_run(run_once) -> Path:
     """A tiny training run of char_lm_torch.py --layer gated-deltanet: its output directory (one
-    run per test run, shared by pytest-xdist's workers).
-
-    Twelve steps, not eight: the training text is the documentation, so every edit of a page
-    moves the loss curve, and in eight steps this model's loss fell by 0.30-0.41 from one
-    version of the pages to the next (0.2987 once, against the 0.3 it must learn); in twelve
-    by 0.54."""
+    run per test run, shared by pytest-xdist's workers)."""
     pytest.importorskip("torch")
 
     def train(out: Path) -> None:
         done = run_script(
-            "char_lm_torch.py", "--steps", GDN_STEPS, "--out", out, "--layer", "gated-deltanet",
+            "char_lm_torch.py", "--steps", TINY_STEPS, "--out", out, "--layer", "gated-deltanet",
             *TINY,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
@@ -138,7 +141,7 @@ def test_gated_deltanet_model_trains_and_numpy_serves_the_same_text(gdn_run, tmp
     weights, _ = charlm.load_weights(gdn_run / "weights.npz")
     assert "block0.attn.q_conv1d.weight" in weights and "block0.qkv" not in weights
     losses = charlm.read_losses(gdn_run / "losses.csv")
-    assert losses[-1] < losses[0] - 0.3  # it learns
+    assert learned(losses)
     done = run_script("generate_numpy.py", gdn_run, env=torch_blocked_env(tmp_path))
     assert done.returncode == 0, done.stderr
     assert done.stdout == (gdn_run / "sample.txt").read_text(encoding="utf-8")
@@ -180,7 +183,7 @@ def test_jax_trains_the_same_model(torch_run: Path, tmp_path) -> None:
     torch_losses = charlm.read_losses(torch_run / "losses.csv")
     # Same initial weights, same first batch: the same loss up to float32 rounding.
     assert jax_losses[0] == pytest.approx(torch_losses[0], abs=1e-5)
-    assert jax_losses[-1] < jax_losses[0] - 0.3
+    assert learned(jax_losses)
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
