@@ -199,6 +199,22 @@ def test_inputs_are_not_modified(backend, rng) -> None:
         np.testing.assert_array_equal(backend.to_numpy(b), a)
 
 
+def central_differences(loss, arrays, step: float = 1e-6) -> list[np.ndarray]:
+    """The gradient of the float ``loss(arrays)`` with respect to each of the float64
+    ``arrays``, by central differences, one element at a time."""
+    gradients = []
+    for i, array in enumerate(arrays):
+        numeric = np.zeros(array.shape)
+        for index in np.ndindex(*array.shape):
+            up = [a.copy() for a in arrays]
+            down = [a.copy() for a in arrays]
+            up[i][index] += step
+            down[i][index] -= step
+            numeric[index] = (loss(up) - loss(down)) / (2 * step)
+        gradients.append(numeric)
+    return gradients
+
+
 @pytest.mark.only_backend(Backend.TORCH, reason="gradients through autograd")
 def test_gradients_match_the_loop(backend, rng) -> None:
     torch = backend.module()
@@ -214,15 +230,7 @@ def test_gradients_match_the_loop(backend, rng) -> None:
     def loss(arrays):
         return float(np.sum(reference(*arrays[:3], "silu", state=arrays[3], mask=mask)[0] * cot))
 
-    arrays = [x, w, b, state]
-    for i, g in enumerate(grads):
-        numeric = np.zeros(arrays[i].shape)
-        for index in np.ndindex(*arrays[i].shape):
-            up = [a.copy() for a in arrays]
-            down = [a.copy() for a in arrays]
-            up[i][index] += 1e-6
-            down[i][index] -= 1e-6
-            numeric[index] = (loss(up) - loss(down)) / 2e-6
+    for g, numeric in zip(grads, central_differences(loss, [x, w, b, state])):
         np.testing.assert_allclose(g.numpy(), numeric, rtol=1e-5, atol=1e-7)
     assert torch.all(grads[0][0, :2] == 0)  # masked inputs get no gradient
 
@@ -358,15 +366,7 @@ def test_the_native_kernels_gradients_match_the_loop(backend, rng, monkeypatch) 
     def loss(arrays):
         return float(np.sum(reference(*arrays[:3], "silu", state=arrays[3], mask=mask)[0] * cot))
 
-    arrays = [x, w, b, state]
-    for i, g in enumerate(grads):
-        numeric = np.zeros(arrays[i].shape)
-        for index in np.ndindex(*arrays[i].shape):
-            up = [a.copy() for a in arrays]
-            down = [a.copy() for a in arrays]
-            up[i][index] += 1e-6
-            down[i][index] -= 1e-6
-            numeric[index] = (loss(up) - loss(down)) / 2e-6
+    for g, numeric in zip(grads, central_differences(loss, [x, w, b, state])):
         np.testing.assert_allclose(g.double().numpy(), numeric, rtol=1e-4, atol=1e-5)
 
 
