@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from . import torch_autograd
@@ -352,7 +352,8 @@ def fused_delta_chunks(
     them in place into the fresh read-out and the decayed state, outside ``torch.func``
     transforms): the array-API loop's wrappers and four-dimensional views cost as much again
     at small heads (eight chunks of 32 at 16 heads x 64, one thread: 0.71x its time; at
-    32 x 128 the same time)."""
+    32 x 128 the same time). Without a gradient to record, the state after the first chunk is
+    the loop's own and every later chunk updates it in place (:func:`_owned_states`)."""
     lead = tuple(S.shape[:-2])
     given = [T, BV, R, K, Q, P] + ([] if decay is None else [decay])
     if torch_namespace_of(S) is None or any(tuple(x.shape[:-3]) != lead for x in given):
@@ -362,20 +363,36 @@ def fused_delta_chunks(
     chunks = [x.reshape(n, *x.shape[-3:]).unbind(1) for x in given]
     decays = chunks[6] if decay is not None else [None] * len(chunks[0])
     in_place = not torch_transforming(S)
+    owned = _owned_states(in_place, S, *given)
     state = S.reshape(n, *S.shape[-2:])
     outputs = []
-    for T_n, BV_n, R_n, K_n, Q_n, P_n, decay_n in zip(*chunks[:6], decays):
+    for T_n, BV_n, R_n, K_n, Q_n, P_n, decay_n, own in zip(*chunks[:6], decays, owned):
         W = torch.bmm(T_n, torch.baddbmm(BV_n, R_n, state))
         read = torch.bmm(Q_n, state)
         out = read.baddbmm_(P_n, W) if in_place else torch.baddbmm(read, P_n, W)
         outputs.append(out.reshape(*lead, 1, *out.shape[-2:]))
-        if decay_n is None:
+        if own:
+            (state if decay_n is None else state.mul_(decay_n)).baddbmm_(K_n, W)
+        elif decay_n is None:
             state = torch.baddbmm(state, K_n, W)
         elif in_place:
             state = (state * decay_n).baddbmm_(K_n, W)
         else:
             state = torch.baddbmm(state * decay_n, K_n, W)
     return outputs, state.reshape(S.shape)
+
+
+def _owned_states(in_place: bool, S: Any, *operands: Any) -> Iterator[bool]:
+    """Per chunk of a fused loop over chunks, whether its state update may write into the state
+    in place: from the second chunk on, where ``in_place`` (no ``torch.func`` transform) and no
+    gradient is recorded. The first chunk's update makes a fresh state from the caller's
+    (which is never written); each later one rewrites it: no state-sized allocation per chunk
+    (2 MiB at 32 heads x 128), which glibc's allocator otherwise maps and unmaps afresh (a page
+    fault per 4 KiB) when a call's temporaries outgrow its thresholds."""
+    own = in_place and not records_gradient(S, *operands)
+    yield False
+    while True:
+        yield own
 
 
 def fused_chain_reads(Q: Any, U: Any, decay: Any, S: Any) -> tuple[Any, Any] | None:
@@ -400,9 +417,10 @@ def fused_chain_reads(Q: Any, U: Any, decay: Any, S: Any) -> tuple[Any, Any] | N
     out = torch.empty((m, n, rows, columns), dtype=torch.result_type(Q, S), device=S.device)
     queries, increments, decays = (x.reshape(m, n, *x.shape[-2:]).unbind(1) for x in (Q, U, decay))
     state = S.reshape(m, *S.shape[-2:])
-    for slot, Q_n, U_n, decay_n in zip(out.unbind(1), queries, increments, decays):
+    owned = _owned_states(True, S)  # the state rewritten in place from the second chunk on
+    for slot, Q_n, U_n, decay_n, own in zip(out.unbind(1), queries, increments, decays, owned):
         torch.bmm(Q_n, state, out=slot)
-        state = torch.addcmul(U_n, decay_n, state)
+        state = torch.addcmul(U_n, decay_n, state, out=state if own else None)
     return out.reshape(*lead, n, rows, columns), state.reshape(S.shape)
 
 
@@ -433,10 +451,15 @@ def fused_dplr_chunks(
     decays = chunks[7] if decay is not None else [None] * len(chunks[0])
     state = S.reshape(n, *S.shape[-2:])
     outputs = []
-    for U_n, W_n, B_n, K_n, Q_n, QV_n, QB_n, decay_n in zip(*chunks[:7], decays):
+    owned = _owned_states(not torch_transforming(S), S, *given)
+    for U_n, W_n, B_n, K_n, Q_n, QV_n, QB_n, decay_n, own in zip(*chunks[:7], decays, owned):
         R = torch.baddbmm(U_n, W_n, state)
         outputs.append(torch.baddbmm(QV_n, Q_n, state).baddbmm_(QB_n, R))
-        kept = state + K_n if decay_n is None else torch.addcmul(K_n, decay_n, state)
+        into = state if own else None  # the state rewritten in place from the second chunk on
+        if decay_n is None:
+            kept = torch.add(state, K_n, out=into)
+        else:
+            kept = torch.addcmul(K_n, decay_n, state, out=into)
         state = kept.baddbmm_(B_n, R)
     out = torch.stack(outputs, dim=1)
     return out.reshape(*lead, *out.shape[1:]), state.reshape(S.shape)
