@@ -1,7 +1,8 @@
 """polylin against llama.cpp's ggml CPU kernels, on the same shapes: prefill and decode.
 
     python benchmarks/ggml_ops.py [--threads 1 2] [--repeats 7] [--json PATH]
-                                  [--cache DIR] [--skip-ggml] [--build-only] [--quick]
+                                  [--allocator default|resident] [--cache DIR]
+                                  [--skip-ggml] [--build-only] [--quick]
 
 Builds ggml's ``test-backend-ops`` from the llama.cpp vendored in the pinned llama-cpp-python
 sdist (downloaded with pip, built with cmake, CPU only, ``-DGGML_NATIVE=ON``) into a cache
@@ -19,6 +20,9 @@ first checked against a float64 loop of ggml's own semantics (read from
 ``us/run``; the median is recorded too). The two sides of a ratio are seconds apart, so a
 machine whose speed drifts from one minute to the next weighs on both alike; the report gives
 polylin's time over ggml's in each pass, per op, shape and thread count.
+
+``--allocator`` starts polylin's workers in a regime of glibc's (``benchmarks/timing.py``,
+``ALLOCATORS``; else this shell's); each row records their page faults per timed call.
 
 Where cmake or a C++ compiler is missing the ggml side is skipped with a message (exit 0); the
 polylin side still runs (its checks included). Absolute times on a shared machine are noise:
@@ -49,7 +53,15 @@ if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import ggml_floors  # noqa: E402
-from benchmarks.timing import goal, run_metadata, write_report  # noqa: E402
+from benchmarks.timing import (  # noqa: E402
+    ALLOCATORS,
+    allocator_environment,
+    allocator_regime,
+    goal,
+    run_metadata,
+    second_of_calls,
+    write_report,
+)
 from polylin import (  # noqa: E402
     LinearAttentionState,
     causal_conv1d,
@@ -490,23 +502,6 @@ BACKENDS = {
 }
 
 
-def _times(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[float, float]:
-    """``(mean, median)`` seconds of ``fn`` after a warm-up: at least 3 and up to ``repeats``
-    calls within ``budget_s``, then more until a second has passed. ggml's ``us/run`` is a mean
-    over at least a second, and the ratios use the mean too: on a loaded machine a median of
-    short calls would keep the quiet moments that ggml's mean does not."""
-    start = time.perf_counter()
-    fn()  # warm-up
-    first = time.perf_counter() - start
-    times: list[float] = []
-    least = max(3, min(repeats, int(budget_s / max(first, 1e-9))))
-    while len(times) < least or sum(times) < 1.0:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.fmean(times), statistics.median(times)
-
-
 def _checked(case: Case, name: str, got: Any, want: np.ndarray, backend: Backend) -> float:
     """The error of ``got`` against the float64 ``want`` relative to its scale; raises above
     :data:`TOLERANCE` (or on another shape)."""
@@ -544,11 +539,11 @@ def time_polylin(
             error = _checked(case, name, output(case, fn()), want, backend)
             if name.endswith((".compile", ".jit")):
                 extra["compile_s"] = time.perf_counter() - start
-            mean, median = _times(fn, repeats, budget_s)
+            mean, median, faults = second_of_calls(fn, repeats, budget_s)
             if floors and name == "torch":
                 extra.update(_floor(case, fn, mean, x, want, repeats, budget_s))
-            rows.append({"case": case.name, "backend": name, "error": error,
-                         "seconds": mean, "median_s": median, **extra})  # fmt: skip
+            rows.append({"case": case.name, "backend": name, "error": error, "seconds": mean,
+                         "median_s": median, "faults_per_call": faults, **extra})  # fmt: skip
     return rows
 
 
@@ -583,7 +578,7 @@ def _floor(
                 "recurrence_flops": loop}  # fmt: skip
     passes = ggml_floors.state_passes(case.family, x)
     _checked(case, "torch, bare state passes", passes(), want, Backend.TORCH)
-    return {"floor_s": _times(passes, repeats, budget_s)[0]}
+    return {"floor_s": second_of_calls(passes, repeats, budget_s)[0]}
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -609,7 +604,8 @@ class PolylinWorker:
     alike."""
 
     def __init__(self, args: argparse.Namespace, threads: int) -> None:
-        env = dict(os.environ, **{name: str(threads) for name in _THREAD_VARIABLES})
+        env = allocator_environment(args.allocator, dict(os.environ))
+        env.update({name: str(threads) for name in _THREAD_VARIABLES})
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--threads",
                    str(threads), "--repeats", str(args.repeats), "--budget", str(args.budget),
                    "--backends", *args.backends]  # fmt: skip
@@ -691,7 +687,7 @@ def combine(
                        "error": max(r["error"] for r in own),
                        "polylin_s": statistics.median(r["seconds"] for r in own)}  # fmt: skip
                 for key in ("floor_s", "compile_s", "products_share", "operations_share",
-                            "products_flops", "recurrence_flops"):
+                            "products_flops", "recurrence_flops", "faults_per_call"):
                     if all(key in r for r in own):
                         row[key] = statistics.median(r[key] for r in own)
                 ratios = [r["seconds"] / g for r, g in zip(own, ggml) if g]
@@ -757,6 +753,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument(
         "--floors", action="store_true",
         help="PyTorch's floors too: prefill's matrix products, decoding's bare state passes")
+    parser.add_argument(
+        "--allocator", choices=list(ALLOCATORS),
+        help="glibc's regime for polylin's worker processes (default: this shell's)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -781,7 +780,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     print(table(rows))
     report = {
         "meta": run_metadata(" ".join(["python benchmarks/ggml_ops.py", *(argv or sys.argv[1:])]),
-                             ggml=None if binary is None else str(binary), sdist=SDIST),
+                             ggml=None if binary is None else str(binary), sdist=SDIST,
+                             allocator=allocator_regime(args.allocator)),
         "rows": rows, "passes": passes, "goals": goals,
     }  # fmt: skip
     return write_report(report, args.json)

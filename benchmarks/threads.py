@@ -44,16 +44,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and polylin
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.timing import goal, run_metadata, write_report  # noqa: E402
+from benchmarks.timing import (  # noqa: E402
+    ALLOCATORS,
+    allocator_environment,
+    goal,
+    run_metadata,
+    write_report,
+)
 
 #: The goals of the performance issue with the default threads: pass -> chunked / plain limit.
 LIMITS = {"forward": 0.7, "forward+backward": 0.75}
-
-#: The environment of each allocator regime (module docstring).
-ALLOCATORS = {
-    "default": {},
-    "resident": {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**31)},
-}
 
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -61,8 +61,8 @@ _THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS
 def sweep(threads: int, allocator: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One CPU sweep of ``chunked`` and ``plain`` in a process with ``threads`` threads and the
     ``allocator`` regime's environment."""
-    env = dict(os.environ, **{name: str(threads) for name in _THREAD_VARIABLES})
-    env.update(ALLOCATORS[allocator])
+    env = allocator_environment(allocator, dict(os.environ))
+    env.update({name: str(threads) for name in _THREAD_VARIABLES})
     command = [
         sys.executable, str(ROOT / "benchmarks" / "run.py"), "cpu",
         "--methods", "chunked", "plain", "--passes", "forward", "forward+backward",

@@ -30,13 +30,17 @@ from polylin.testing import Backend
 from .model import gemm_flops
 
 __all__ = [
+    "ALLOCATORS",
     "Progress",
     "Timing",
+    "allocator_environment",
+    "allocator_regime",
     "gemm_rate",
     "goal",
     "interleaved_times",
     "peak_memory",
     "run_metadata",
+    "second_of_calls",
     "time_call",
     "write_report",
 ]
@@ -169,6 +173,60 @@ def gemm_rate(backend: Backend, n: int, *, dtype: str = "float32", repeats: int 
     xp = backend.namespace()
     timing = time_call(backend, lambda: xp.matmul(a, b), repeats=repeats, budget_s=10.0)
     return gemm_flops(n) / timing.median
+
+
+#: glibc's variables that decide whether freed memory stays in the process.
+ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+#: The environment of each allocator regime a benchmark's worker process can run under.
+#: ``default``: glibc as it comes. A buffer above its mmap threshold (128 KiB in a fresh process,
+#: raised to the largest such buffer freed so far, at most 32 MiB) is a fresh mapping, and the
+#: heap's top is given back above twice that threshold: each 4 KiB page of such memory is a page
+#: fault when next touched. ``resident``: both thresholds so high that every buffer comes from
+#: the heap and stays there, no page faults after the first call.
+ALLOCATORS: dict[str, dict[str, str]] = {
+    "default": {},
+    "resident": {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**31)},
+}
+
+
+def allocator_environment(allocator: str | None, env: dict[str, str]) -> dict[str, str]:
+    """A copy of ``env`` in the regime ``allocator`` of :data:`ALLOCATORS` (glibc's own variables
+    from ``env`` dropped, the regime's set), or as it is for ``None``."""
+    if allocator is None:
+        return dict(env)
+    kept = {name: value for name, value in env.items() if name not in ALLOCATOR_VARIABLES}
+    return {**kept, **ALLOCATORS[allocator]}
+
+
+def allocator_regime(allocator: str | None) -> dict[str, str]:
+    """For a report: the regime ``allocator`` (``None``: this process's environment, named
+    ``inherited``) and glibc's variables it sets."""
+    env = allocator_environment(allocator, dict(os.environ))
+    return {"name": allocator or "inherited",
+            **{name: env[name] for name in ALLOCATOR_VARIABLES if name in env}}  # fmt: skip
+
+
+def second_of_calls(
+    fn: Callable[[], Any], repeats: int, budget_s: float
+) -> tuple[float, float, float]:
+    """``(mean, median)`` seconds of ``fn`` after a warm-up, and the minor page faults per call:
+    at least 3 and up to ``repeats`` calls within ``budget_s``, then more until a second has
+    passed. ggml's ``us/run`` is a mean over at least a second, and the ratios use the mean too:
+    on a loaded machine a median of short calls would keep the quiet moments ggml's does not
+    (``benchmarks/ggml_ops.py``)."""
+    start = time.perf_counter()
+    fn()  # warm-up
+    first = time.perf_counter() - start
+    times: list[float] = []
+    least = max(3, min(repeats, int(budget_s / max(first, 1e-9))))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    while len(times) < least or sum(times) < 1.0:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return statistics.fmean(times), statistics.median(times), faults / len(times)
 
 
 def goal(name: str, value: float, limit: float) -> dict[str, Any]:

@@ -127,22 +127,52 @@ def test_array_blocks_benchmark(tmp_path):
     assert json.loads(out.read_text())["rows"] == report["rows"]
 
 
-def test_ggml_ops_benchmark_polylin_side(tmp_path):
+def test_allocator_environment_sets_the_regime_and_keeps_the_rest():
+    """benchmarks/timing.py: ``default`` drops glibc's variables from the environment given,
+    ``resident`` sets both high; everything else is kept and the mapping given is not modified."""
+    from benchmarks.timing import ALLOCATOR_VARIABLES, allocator_environment
+
+    given = {"MALLOC_TRIM_THRESHOLD_": "1", "PATH": "/bin"}
+    assert allocator_environment("default", given) == {"PATH": "/bin"}
+    assert allocator_environment("resident", given) == {
+        "PATH": "/bin", "MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**31),
+    }  # fmt: skip
+    assert given == {"MALLOC_TRIM_THRESHOLD_": "1", "PATH": "/bin"}
+    assert set(ALLOCATOR_VARIABLES) == {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}
+
+
+def test_ggml_ops_benchmark_polylin_side(tmp_path, monkeypatch):
     """benchmarks/ggml_ops.py at tiny shapes without ggml: every op's polylin call checked
-    against the float64 loop of ggml's semantics, then timed, on both libraries."""
+    against the float64 loop of ggml's semantics, then timed, on both libraries, in a worker
+    started in the allocator regime asked for (``--allocator``), its page faults counted."""
+    import subprocess
+
     from benchmarks import ggml_ops
 
+    started, real = [], subprocess.Popen
+
+    def popen(command, env, **kwargs):
+        started.append(env)
+        return real(command, env=env, **kwargs)
+
+    monkeypatch.setattr(ggml_ops.subprocess, "Popen", popen)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
     out = tmp_path / "ggml.json"
     report = ggml_ops.main([
         "--quick", "--skip-ggml", "--passes", "1", "--threads", "1", "--repeats", "1",
-        "--json", str(out),
+        "--allocator", "default", "--json", str(out),
     ])  # fmt: skip
+    assert [("MALLOC_MMAP_THRESHOLD_" in env, env["OMP_NUM_THREADS"]) for env in started] == [
+        (False, "1")
+    ]
+    assert report["meta"]["allocator"] == {"name": "default"}
     names = [c.name for c in ggml_ops.cases(quick=True)]
     assert [(r["case"], r["backend"]) for r in report["rows"]] == [
         (n, b) for n in names for b in ("numpy", "torch")
     ]
     assert {r["op"] for r in report["rows"]} == set(ggml_ops.OPS)
     assert all(r["error"] <= ggml_ops.TOLERANCE and r["polylin_s"] > 0 for r in report["rows"])
+    assert all(r["faults_per_call"] >= 0 for r in report["rows"])
     assert all("ratio" not in r for r in report["rows"]) and report["goals"] == []
     assert json.loads(out.read_text())["rows"] == report["rows"]
 
