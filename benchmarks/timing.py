@@ -201,10 +201,10 @@ def allocator_environment(allocator: str | None, env: dict[str, str]) -> dict[st
 
 def allocator_regime(allocator: str | None) -> dict[str, str]:
     """For a report: the regime ``allocator`` (``None``: this process's environment, named
-    ``inherited``) and glibc's variables it sets."""
+    ``inherited``), glibc's variables it sets and ``LD_PRELOAD`` (another allocator) if set."""
     env = allocator_environment(allocator, dict(os.environ))
-    return {"name": allocator or "inherited",
-            **{name: env[name] for name in ALLOCATOR_VARIABLES if name in env}}  # fmt: skip
+    named = (*ALLOCATOR_VARIABLES, "LD_PRELOAD")
+    return {"name": allocator or "inherited", **{n: env[n] for n in named if n in env}}
 
 
 def second_of_calls(

@@ -157,6 +157,7 @@ def test_ggml_ops_benchmark_polylin_side(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ggml_ops.subprocess, "Popen", popen)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     out = tmp_path / "ggml.json"
     report = ggml_ops.main([
         "--quick", "--skip-ggml", "--passes", "1", "--threads", "1", "--repeats", "1",
