@@ -39,7 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and polylin
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.timing import interleaved_times, run_metadata, write_report  # noqa: E402
+from benchmarks.timing import (  # noqa: E402
+    command_line,
+    interleaved_times,
+    run_metadata,
+    write_report,
+)
 from polylin import blocks  # noqa: E402
 from polylin.torch import (  # noqa: E402
     GatedDeltaNet,
@@ -246,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     report: dict[str, Any] = {
-        "meta": run_metadata("benchmarks/array_blocks.py " + " ".join(argv or sys.argv[1:])),
+        "meta": run_metadata(command_line("array_blocks.py", argv)),
         "rows": [], "goals": [],
     }  # fmt: skip
     print(f"{'block':22s} {'T':>5s} {'impl':20s} {'fwd ms':>8s} {'ratio':>6s} "

@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.baselines import fla_naive  # noqa: E402
+from benchmarks.timing import command_line  # noqa: E402
 from polylin.compat import fla  # noqa: E402
 from polylin.compat.transformers import use_polylin, use_transformers_fallback  # noqa: E402
 
@@ -580,7 +581,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     result = {
-        "command": " ".join(["python benchmarks/compat.py", *(argv or sys.argv[1:])]),
+        "command": command_line("compat.py", argv),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "fla": fla.FLA_VERSION, "threads": torch.get_num_threads(),
         "rows": [],

@@ -31,7 +31,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import polylin._forms.delta.chunked as delta_chunked
-from benchmarks.timing import interleaved_times, run_metadata, write_report
+from benchmarks.timing import command_line, interleaved_times, run_metadata, write_report
 from polylin import delta_rule_attention
 from polylin.testing import Backend
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{row['short_s'] * 1e3:.2f} ms | {row['long_s'] * 1e3:.2f} ms | "
               f"{row['ratio']:.2f} |", flush=True)  # fmt: skip
     meta = run_metadata(
-        "python benchmarks/delta_chunks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        command_line("delta_chunks.py", argv),
         backend=args.backend, threads=args.threads, backward=args.backward,
     )  # fmt: skip
     return write_report({"meta": meta, "rows": rows, "goals": []}, args.json)

@@ -57,6 +57,7 @@ from benchmarks.timing import (  # noqa: E402
     ALLOCATORS,
     allocator_environment,
     allocator_regime,
+    command_line,
     goal,
     run_metadata,
     second_of_calls,
@@ -779,7 +780,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     rows, goals = combine(chosen, passes, args.backends)
     print(table(rows))
     report = {
-        "meta": run_metadata(" ".join(["python benchmarks/ggml_ops.py", *(argv or sys.argv[1:])]),
+        "meta": run_metadata(command_line("ggml_ops.py", argv),
                              ggml=None if binary is None else str(binary), sdist=SDIST,
                              allocator=allocator_regime(args.allocator)),
         "rows": rows, "passes": passes, "goals": goals,

@@ -33,7 +33,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import polylin._backend.depthwise as depthwise
-from benchmarks.timing import interleaved_times, run_metadata, write_report
+from benchmarks.timing import command_line, interleaved_times, run_metadata, write_report
 from polylin.testing import Backend
 
 #: (batch, T, channels, width): ggml's SSM_CONV; Qwen3-Next's projections at T = 2048
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{row['taps_s'] * 1e3:.3f} ms | {row['ratio']:.2f} | "
                   f"{'yes' if row['chosen'] else 'no'} |", flush=True)  # fmt: skip
     meta = run_metadata(
-        "python benchmarks/short_conv.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        command_line("short_conv.py", argv),
         threads=args.threads, backward=args.backward,
     )  # fmt: skip
     return write_report({"meta": meta, "rows": rows, "goals": []}, args.json)

@@ -35,6 +35,7 @@ __all__ = [
     "Timing",
     "allocator_environment",
     "allocator_regime",
+    "command_line",
     "gemm_rate",
     "goal",
     "interleaved_times",
@@ -267,6 +268,12 @@ def cpu_model(cpuinfo: str | None = None) -> dict[str, Any]:
         "family": fields.get("cpu family", ""),
         "vector": next((flag for flag in VECTOR_FLAGS if flag in flags), ""),
     }
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The command a report names: ``python benchmarks/<script>`` and its arguments (``argv``, or
+    this process's when ``None``)."""
+    return " ".join(["python", f"benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def run_metadata(command: str, **extra: Any) -> dict[str, Any]:
