@@ -149,17 +149,17 @@ def pytest_configure(config: pytest.Config) -> None:
         "slow_grid(cover=(), prefer={}, full_on=FULL_GRID_BACKENDS): the full grid on full_on, a "
         "covering subset of the values of cover on other backends; the rest is marked slow",
     )
-    if WITH_X32 or Backend.JAX in BACKENDS or Backend.JAX_CUDA in BACKENDS:
-        with contextlib.suppress(ImportError):
-            import jax
+    # Wherever JAX is installed, selected or not: a few tests call it directly.
+    with contextlib.suppress(ImportError):
+        import jax
 
-            jax.config.update("jax_enable_x64", True)
-            # The tests' arrays are tiny: compiling dominates, and XLA's optimizations would
-            # cost more than they save (about 15% of the JAX tests' time).
-            jax.config.update("jax_disable_most_optimizations", True)
-            # float32 matmuls at full precision, as torch is pinned below: on a GPU, JAX's
-            # default runs them in TF32 (docs/gpu.md); polylin itself never changes it.
-            jax.config.update("jax_default_matmul_precision", "highest")
+        jax.config.update("jax_enable_x64", True)
+        # The tests' arrays are tiny: compiling dominates, and XLA's optimizations would
+        # cost more than they save (about 15% of the JAX tests' time).
+        jax.config.update("jax_disable_most_optimizations", True)
+        # float32 matmuls at full precision, as torch is pinned below: on a GPU, JAX's
+        # default runs them in TF32 (docs/gpu.md); polylin itself never changes it.
+        jax.config.update("jax_default_matmul_precision", "highest")
     if Backend.ARRAY_API_STRICT in BACKENDS:
         with contextlib.suppress(ImportError):
             import array_api_strict
