@@ -1,7 +1,7 @@
 """polylin against llama.cpp's ggml CPU kernels, on the same shapes: prefill and decode.
 
-    python benchmarks/ggml_ops.py [--threads 1 2] [--repeats 7] [--json PATH]
-                                  [--allocator default|resident] [--cache DIR]
+    python benchmarks/ggml_ops.py [--threads 1 2] [--repeats 7] [--json PATH] [--cache DIR]
+                                  [--allocator default|resident] [--blas default|avx512]
                                   [--skip-ggml] [--build-only] [--quick]
 
 Builds ggml's ``test-backend-ops`` from the llama.cpp vendored in the pinned llama-cpp-python
@@ -23,6 +23,7 @@ polylin's time over ggml's in each pass, per op, shape and thread count.
 
 ``--allocator`` starts polylin's workers in a regime of glibc's (``benchmarks/timing.py``,
 ``ALLOCATORS``; else this shell's); each row records their page faults per timed call.
+``--blas avx512`` gives them the products' 512-bit kernels on AMD (``blas_path.py``).
 
 Where cmake or a C++ compiler is missing the ggml side is skipped with a message (exit 0); the
 polylin side still runs (its checks included). Absolute times on a shared machine are noise:
@@ -52,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and polylin
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import ggml_floors  # noqa: E402
+from benchmarks import blas_path, ggml_floors  # noqa: E402
 from benchmarks.timing import (  # noqa: E402
     ALLOCATORS,
     allocator_environment,
@@ -606,6 +607,7 @@ class PolylinWorker:
 
     def __init__(self, args: argparse.Namespace, threads: int) -> None:
         env = allocator_environment(args.allocator, dict(os.environ))
+        env = blas_path.environment(args.blas, env, args.blas_library)
         env.update({name: str(threads) for name in _THREAD_VARIABLES})
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--threads",
                    str(threads), "--repeats", str(args.repeats), "--budget", str(args.budget),
@@ -757,6 +759,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument(
         "--allocator", choices=list(ALLOCATORS),
         help="glibc's regime for polylin's worker processes (default: this shell's)")
+    parser.add_argument("--blas", choices=blas_path.PATHS, default="default")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -767,6 +770,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         reason = BACKENDS[name].unavailable_reason()
         if reason is not None:
             parser.error(f"--backends {name}: {reason}")
+    try:
+        args.blas_library = blas_path.prepare(args.blas, args.cache)
+    except RuntimeError as error:
+        parser.error(f"--blas {args.blas}: {error}")
     binary = None if args.skip_ggml else build_ggml(args.cache)
     if args.build_only:
         print(binary if binary is not None else "ggml not built")
@@ -782,7 +789,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     report = {
         "meta": run_metadata(command_line("ggml_ops.py", argv),
                              ggml=None if binary is None else str(binary), sdist=SDIST,
-                             allocator=allocator_regime(args.allocator)),
+                             allocator=allocator_regime(args.allocator),
+                             blas=blas_path.regime(args.blas, args.blas_library)),
         "rows": rows, "passes": passes, "goals": goals,
     }  # fmt: skip
     return write_report(report, args.json)
