@@ -12,7 +12,8 @@ libraries load, give both their 512-bit kernels:
   Intel's;
 - OpenBLAS: ``OPENBLAS_CORETYPE=SkylakeX``, OpenBLAS's own variable.
 
-:data:`PATHS` names the two regimes a benchmark's worker processes can start in; ``avx512``
+:data:`PATHS` names the two regimes a benchmark's worker processes can start in (``None``: as
+the shell has it); ``avx512``
 needs a processor with AVX-512 (elsewhere a 512-bit kernel stops the process on an illegal
 instruction) and a C compiler (``cc``) to build the library, once, into a cache folder.
 """
@@ -25,7 +26,8 @@ import subprocess
 from pathlib import Path
 
 __all__ = [
-    "PATHS", "SOURCE", "build_library", "environment", "has_avx512", "prepare", "regime"
+    "LIBRARY", "OPENBLAS_CORETYPE", "PATHS", "SOURCE", "build_library", "environment",
+    "has_avx512", "prepare", "regime",
 ]
 
 #: ``default``: each library's own choice; ``avx512``: MKL's path for Intel's processors and
@@ -74,21 +76,26 @@ def build_library(cache: Path) -> Path:
     return library
 
 
-def prepare(path: str, cache: Path) -> Path | None:
+def prepare(path: str | None, cache: Path) -> Path | None:
     """The library the regime ``path`` preloads (built into ``cache``), ``None`` for
-    ``default``. Raises ``RuntimeError`` where this processor or system cannot run it."""
-    if path == "default":
+    ``default`` and ``None``. Raises ``RuntimeError`` where this processor or system cannot run
+    it."""
+    if path != "avx512":
         return None
     if not has_avx512():
         raise RuntimeError("this processor has no AVX-512")
     return build_library(cache)
 
 
-def environment(path: str, env: dict[str, str], library: Path | None = None) -> dict[str, str]:
-    """A copy of ``env`` for the regime ``path`` of :data:`PATHS`: OpenBLAS's core type and
-    this library (by its file name) dropped from it, then for ``avx512`` ``library``
-    (:func:`build_library`) preloaded first and OpenBLAS's core type set. Other preloaded
-    libraries (another allocator) are kept."""
+def environment(
+    path: str | None, env: dict[str, str], library: Path | None = None
+) -> dict[str, str]:
+    """A copy of ``env`` for the regime ``path`` of :data:`PATHS` (``None``: as it is):
+    OpenBLAS's core type and this library (by its file name) dropped from it, then for
+    ``avx512`` ``library`` (:func:`build_library`) preloaded first and OpenBLAS's core type
+    set. Other preloaded libraries (another allocator) are kept."""
+    if path is None:
+        return dict(env)
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     dropped = ("LD_PRELOAD", "OPENBLAS_CORETYPE")
@@ -104,9 +111,10 @@ def environment(path: str, env: dict[str, str], library: Path | None = None) -> 
     return out
 
 
-def regime(path: str, library: Path | None = None) -> dict[str, str]:
-    """For a report: the regime's name and the variables that choose the libraries' kernels in
-    its environment (this process's, with ``library`` for ``avx512``)."""
+def regime(path: str | None, library: Path | None = None) -> dict[str, str]:
+    """For a report: the regime's name (``inherited`` for ``None``) and the variables that
+    choose the libraries' kernels in its environment (this process's, with ``library`` for
+    ``avx512``)."""
     env = environment(path, dict(os.environ), library)
     named = ("LD_PRELOAD", "OPENBLAS_CORETYPE", "MKL_ENABLE_INSTRUCTIONS")
-    return {"name": path, **{n: env[n] for n in named if n in env}}
+    return {"name": path or "inherited", **{n: env[n] for n in named if n in env}}

@@ -759,7 +759,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument(
         "--allocator", choices=list(ALLOCATORS),
         help="glibc's regime for polylin's worker processes (default: this shell's)")
-    parser.add_argument("--blas", choices=blas_path.PATHS, default="default")
+    parser.add_argument("--blas", choices=blas_path.PATHS)  # default: this shell's
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -33,8 +33,8 @@ def test_has_avx512_reads_the_processors_flags(tmp_path, text, want):
 
 def test_environment_sets_each_path_and_keeps_the_rest(tmp_path):
     """``avx512`` preloads the library first and sets OpenBLAS's core type; ``default`` drops
-    both (the library by its file name); another preloaded library and everything else stay,
-    and the mapping given is not modified."""
+    both (the library by its file name); another preloaded library and everything else stay;
+    ``None`` keeps the environment as it is; the mapping given is not modified."""
     library = tmp_path / blas_path.LIBRARY
     given = {"PATH": "/bin", "LD_PRELOAD": "/lib/libtcmalloc.so", "OPENBLAS_CORETYPE": "Zen"}
     before = dict(given)
@@ -48,6 +48,7 @@ def test_environment_sets_each_path_and_keeps_the_rest(tmp_path):
     ours = {"PATH": "/bin", "LD_PRELOAD": f"/elsewhere/{blas_path.LIBRARY}"}
     assert blas_path.environment("default", ours) == {"PATH": "/bin"}
     assert blas_path.environment("avx512", ours, library)["LD_PRELOAD"] == str(library)
+    assert blas_path.environment(None, given) == given  # the shell's, as it is
     assert given == before
     with pytest.raises(ValueError, match="path must be one of"):
         blas_path.environment("fast", given)
@@ -77,6 +78,7 @@ def test_prepare_builds_only_for_avx512_and_only_where_the_processor_has_it(
     tmp_path, monkeypatch
 ):
     assert blas_path.prepare("default", tmp_path) is None
+    assert blas_path.prepare(None, tmp_path) is None
     monkeypatch.setattr(blas_path, "has_avx512", lambda: False)
     with pytest.raises(RuntimeError, match="no AVX-512"):
         blas_path.prepare("avx512", tmp_path)
