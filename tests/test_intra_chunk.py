@@ -369,3 +369,28 @@ def test_relative_factors_carry_the_same_state(rng, gate):
                     + np.swapaxes(f.keys[:, i], -1, -2) @ V[:, i]
                     for f, state in ((plain, S), (relative, S_hat)))  # fmt: skip
     np.testing.assert_allclose(S_hat, S, rtol=1e-11, atol=1e-12)
+
+
+def test_factors_of_a_strided_gate_are_row_major_on_torch(rng):
+    """A block of a (B, T, H, d) sequence read as (B, H, chunks, C, d) is strided; the factored
+    construction still gives its factors and matrices row-major in their own batch order (the
+    layout PyTorch's batched products take as one product, not one per matrix), equal to
+    NumPy's."""
+    torch = needs(Backend.TORCH)
+    xp = needs(Backend.NUMPY)
+    T, H = 4 * CHUNK, 3
+    K, Q = (rng.standard_normal((1, T, H, D)) / 2 for _ in range(2))
+    G = -rng.uniform(0.0, 1.5, (1, T, H, D))  # a chunk log decay of at most 12
+
+    def blocks(x):  # (1, T, H, d) -> (1, H, 4, C, d): a strided view
+        return x.swapaxes(1, 2).reshape(1, H, 4, CHUNK, D)
+
+    K_t, G_t, Q_t = (blocks(torch.from_numpy(x)) for x in (K, G, Q))
+    assert not G_t.is_contiguous()
+    got = intra_chunk(Backend.TORCH.namespace(), K_t, G_t, [(Q_t, SCORES)])
+    want = intra_chunk(xp, blocks(K), blocks(G), [(blocks(Q), SCORES)])
+    pairs = [(got.matrices[0], want.matrices[0]), (got.rows[0], want.rows[0]),
+             (got.keys, want.keys)]  # fmt: skip
+    for got_array, want_array in pairs:
+        assert got_array.is_contiguous()
+        np.testing.assert_allclose(got_array.numpy(), want_array, rtol=1e-12, atol=1e-14)
