@@ -418,13 +418,14 @@ def _outward_sums(xp: Any, G: Any) -> Any:
     whole forward of GLA and RWKV-7 at ggml's shapes 0.93-0.97x, a strided block copied by the
     product first). The constant matrix is broadcast to ``G``'s leading dimensions, so that the
     product is batched over them and the sums come out row-major in ``G``'s own order. As one
-    2-D product over all of ``G``'s columns (what PyTorch makes of a matrix times a stack) they
-    came out token-major, a chunk's rows a whole block of heads apart, and so did every factor
-    computed from them: MKL's kernels for Intel processors multiply such scores and transposed
-    keys 2.4x slower than row-major ones (32 x 64 by 64 x 32, 128 of them: GLA's, KDA's and
-    RWKV-7's forward at ggml's shapes 0.83-0.95x the time with the sums row-major; 0.96-1.03x on
-    MKL's AMD path and on NumPy, which were not slowed). A term that is not finite makes every
-    sum of its channel ``nan`` (``0 * inf``): the bound then fails.
+    2-D product over all of ``G``'s columns (what :func:`~polylin._backend.ops.matmul` makes of
+    a matrix times a stack) they came out token-major, a chunk's rows a whole block of heads
+    apart, and so did every factor computed from them: MKL's kernels for Intel processors
+    multiply such scores and transposed keys 2.4x slower than row-major ones (32 x 64 by
+    64 x 32, 128 of them: GLA's, KDA's and RWKV-7's forward at ggml's shapes 0.83-0.95x the time
+    with the sums row-major; 0.96-1.03x on MKL's AMD path and on NumPy, which were not slowed).
+    A term that is not finite makes every sum of its channel ``nan`` (``0 * inf``): the bound
+    then fails.
     """
     chunk = G.shape[-2]
     middle = chunk // 2 - 1
