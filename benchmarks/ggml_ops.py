@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -54,12 +53,12 @@ if str(ROOT) not in sys.path:  # run as a script: the checkout's benchmarks and 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import blas_path, ggml_floors  # noqa: E402
+from benchmarks.ggml_report import combine, table  # noqa: E402
 from benchmarks.timing import (  # noqa: E402
     ALLOCATORS,
     allocator_environment,
     allocator_regime,
     command_line,
-    goal,
     run_metadata,
     second_of_calls,
     write_report,
@@ -658,85 +657,6 @@ def run_pass(
     finally:
         worker.close()
     return {"threads": threads, "ggml": ggml, "polylin": polylin}
-
-
-# -- the report ------------------------------------------------------------------------------
-
-
-def _limit(case: Case) -> float:
-    """The issue's goal for polylin / ggml on ``case`` at equal threads."""
-    if case.phase == "decode":  # the 2 MiB states are memory-bound for both
-        return 1.2 if case.family in ("gdn", "kda") and case.size("d") == 128 else 2.0
-    return 0.5 if case.size("T") >= 512 else 1.0
-
-
-def combine(
-    chosen: list[Case], passes: list[dict[str, Any]], backends: list[str]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Rows (per case, threads, backend) and goals from the passes' raw measurements: each
-    pass's ratio is of two measurements of that pass; the row has the median and range."""
-    rows, goals = [], []
-    for case in chosen:
-        for threads in sorted({p["threads"] for p in passes}):
-            mine = [p for p in passes if p["threads"] == threads]
-            ggml = [next((r["seconds"] for r in p["ggml"] if case.matches(r)), None)
-                    for p in mine]  # fmt: skip
-            for backend in backends:
-                own = [next(r for r in p["polylin"]
-                            if r["case"] == case.name and r["backend"] == backend)
-                       for p in mine]  # fmt: skip
-                row = {"case": case.name, "op": case.op, "phase": case.phase,
-                       "threads": threads, "backend": backend,
-                       "error": max(r["error"] for r in own),
-                       "polylin_s": statistics.median(r["seconds"] for r in own)}  # fmt: skip
-                for key in ("floor_s", "compile_s", "products_share", "operations_share",
-                            "products_flops", "recurrence_flops", "faults_per_call"):
-                    if all(key in r for r in own):
-                        row[key] = statistics.median(r[key] for r in own)
-                ratios = [r["seconds"] / g for r, g in zip(own, ggml) if g]
-                if ratios:
-                    row.update(ggml_s=statistics.median(g for g in ggml if g),
-                               ratio=statistics.median(ratios), ratio_min=min(ratios),
-                               ratio_max=max(ratios))  # fmt: skip
-                    if "floor_s" in row:
-                        row["floor_ratio"] = statistics.median(
-                            r["floor_s"] / g for r, g in zip(own, ggml) if g)
-                    if "recurrence_flops" in row:  # ggml's rate on its loop's arithmetic
-                        row["ggml_gflops"] = row["recurrence_flops"] / row["ggml_s"] * 1e-9
-                    goals.append(goal(f"{case.name}, {backend} / ggml, {threads} thread(s)",
-                                      row["ratio"], _limit(case)))  # fmt: skip
-                rows.append(row)
-    return rows, goals
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table: one line per case and thread count (with ``--floors``,
-    PyTorch's floor as a last column, at prefill with its products' flops over the loop's)."""
-    backends = list(dict.fromkeys(r["backend"] for r in rows))
-    what = " / ggml" if any("ratio" in r for r in rows) else ""
-    floors = any("floor_s" in r for r in rows)
-    lines = ["| op, shape | threads | ggml | " + " | ".join(f"{b}{what}" for b in backends)
-             + " | max error |" + (f" torch's floor{what} |" if floors else ""),
-             "|---" * (4 + len(backends) + floors) + "|"]  # fmt: skip
-    for key in dict.fromkeys((r["case"], r["threads"]) for r in rows):
-        mine = [r for r in rows if (r["case"], r["threads"]) == key]
-        ggml = mine[0].get("ggml_s")
-        cells = [f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
-                 if "ratio" in r else f"{r['polylin_s'] * 1e3:.3f} ms" for r in mine]  # fmt: skip
-        floor = next((r for r in mine if "floor_s" in r), None)
-        if floors:  # the floor over ggml's time, or itself where ggml has no row
-            cell = "-" if floor is None else f"{floor['floor_ratio']:.2f}" if (
-                "floor_ratio" in floor) else f"{floor['floor_s'] * 1e3:.3f} ms"  # fmt: skip
-            if floor is not None and floor.get("recurrence_flops"):  # prefill's arithmetic
-                share = floor["products_flops"] / floor["recurrence_flops"]
-                cell += f" ({share:.2f}x the loop's flops)"
-            cells.append(cell)
-        lines.append(f"| {key[0]} | {key[1]} | "
-                     f"{'-' if ggml is None else f'{ggml * 1e3:.3f} ms'} | "
-                     + " | ".join(cells[:len(backends)])
-                     + f" | {max(r['error'] for r in mine):.1e} |"
-                     + "".join(f" {c} |" for c in cells[len(backends):]))  # fmt: skip
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:

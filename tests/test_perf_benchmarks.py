@@ -223,6 +223,35 @@ def test_ggml_ops_floors():
     assert f"{gla['floor_s'] * 1e3:.3f} ms ({share:.2f}x the loop's flops) |" in text
 
 
+def test_ggml_report_judges_the_second_thread_from_t_512():
+    """Prefill from T = 512 with both thread counts gets a goal of two threads over one per
+    backend: the two-thread time over the one-thread time, at most 1 / 1.6, ggml's own gain
+    in its name; shorter prefill and decoding get none."""
+    from benchmarks import ggml_ops, ggml_report
+
+    cases = {c.name: c for c in ggml_ops.cases()}
+    chosen = [cases["GLA 32x64 T=512"], cases["GDN 32x128 T=64"], cases["GLA 32x64 T=1"]]
+    seconds = {(1, "torch"): 10.0, (2, "torch"): 6.0, (1, "numpy"): 9.0, (2, "numpy"): 8.0}
+
+    def one_pass(threads):
+        ggml = [{"op": c.op, "params": dict(c.ggml), "seconds": 4.0 / threads} for c in chosen]
+        polylin = [{"case": c.name, "backend": b, "error": 0.0, "seconds": seconds[threads, b]}
+                   for c in chosen for b in ("torch", "numpy")]  # fmt: skip
+        return {"threads": threads, "ggml": ggml, "polylin": polylin}
+
+    rows, goals = ggml_report.combine(chosen, [one_pass(1), one_pass(2)], ["torch", "numpy"])
+    second = [g for g in goals if "two threads" in g["name"]]
+    assert [g["name"] for g in second] == [
+        "GLA 32x64 T=512, torch: two threads' time / one's, 1.67x (ggml 2.00x)",
+        "GLA 32x64 T=512, numpy: two threads' time / one's, 1.12x (ggml 2.00x)",
+    ]
+    assert [g["value"] for g in second] == [pytest.approx(0.6), pytest.approx(8 / 9)]
+    assert [g["met"] for g in second] == [True, False] and second[0]["limit"] == 1 / 1.6
+    assert len(goals) == len(second) + len(rows) == 2 + 3 * 2 * 2  # and one per row's ratio
+    _, alone = ggml_report.combine(chosen, [one_pass(1)], ["torch"])  # one thread count: none
+    assert not any("two threads" in g["name"] for g in alone)
+
+
 def test_ggml_floor_products_count_in_place_products():
     """A product added in place (``baddbmm_``, as the delta rules' loops write) is a product
     of the prefill floor; an elementwise operation is not."""
