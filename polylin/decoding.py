@@ -6,8 +6,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
+from ._backend.fused import StepRows, fused_step_rows
 from ._backend.namespace import is_array
-from ._backend.ops import StepRows, fused_step_rows
 from ._forms.linear.recurrent import recurrent_step
 from ._inputs.defaults import DEFAULT_EPS
 from ._inputs.gates import check_log_decay, check_normalize, log_decay_values

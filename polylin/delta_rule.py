@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+from ._backend.fused import fused_delta_step, fused_step_rows
 from ._backend.namespace import is_array
-from ._backend.ops import fused_delta_step, fused_step_rows, l2_normalize
+from ._backend.ops import l2_normalize
 from ._forms.delta.chunked import delta_chunked
 from ._forms.delta.quadratic import delta_quadratic
 from ._forms.delta.recurrent import delta_recurrent, delta_step

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+from ._backend.fused import fused_dplr_step, fused_step_rows
 from ._backend.namespace import is_array
-from ._backend.ops import fused_dplr_step, fused_step_rows
 from ._forms.dplr.chunked import dplr_chunked
 from ._forms.dplr.quadratic import dplr_quadratic
 from ._forms.dplr.recurrent import dplr_recurrent, dplr_step

@@ -749,7 +749,7 @@ def recording(fused, taken):
 @pytest.mark.parametrize("gate", [None, "scalar", "channel"])
 def test_fused_chunk_loop_matches_the_array_api_loop(rng, monkeypatch, gate):
     """On one PyTorch thread the loop over chunks with the read-out inside runs as products of
-    three-dimensional views (``_backend.ops.fused_delta_chunks``): the same outputs, final
+    three-dimensional views (``_backend.fused.fused_delta_chunks``): the same outputs, final
     state and gradients as the array-API loop, inside ``torch.func.grad`` too (where nothing
     is written in place); grouped heads (leading dimensions that broadcast) keep the array-API
     loop."""

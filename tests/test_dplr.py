@@ -670,7 +670,7 @@ def test_benchmark_peer_agrees_and_inputs_are_rwkv7(rng):
 @pytest.mark.parametrize("decay", ["none", "per_token", "per_channel"])
 def test_fused_read_out_matches_the_batched_one(rng, monkeypatch, decay):
     """Without a gradient to record, PyTorch reads each chunk's outputs inside the loop over
-    chunks (``_backend.ops.fused_dplr_chunks``): the same outputs and final state as the
+    chunks (``_backend.fused.fused_dplr_chunks``): the same outputs and final state as the
     read-out after the loop, which a call with a gradient keeps; so do grouped heads whose
     operands keep broadcasting leading dimensions."""
     torch = needs(Backend.TORCH)

@@ -1,4 +1,4 @@
-"""The fused loops over chunks on PyTorch (``polylin._backend.ops``) keep one state of their
+"""The fused loops over chunks on PyTorch (``polylin._backend.fused``) keep one state of their
 own: without a gradient to record, the first chunk's update makes a fresh state from the
 caller's (which is never written) and every later chunk rewrites it in place, so a call
 allocates one state-sized tensor in the loop, not one per chunk."""
@@ -10,25 +10,25 @@ import pytest
 
 import polylin
 from polylin import LinearAttentionState, causal_linear_attention, dplr_delta_rule
-from polylin._backend import ops
+from polylin._backend import fused as loops
 from polylin.feature_maps import identity
 from polylin.testing import Backend
 
 from .test_delta_rule import make_inputs, needs, unit
 
-#: The fused loops, by the name of the ``_backend.ops`` function: the positions of the state
+#: The fused loops, by the name of the ``_backend.fused`` function: the positions of the state
 #: among its arguments and of an operand ``(..., N, rows, cols)`` whose axis -3 counts the chunks.
 LOOPS = {"fused_delta_chunks": (0, 1), "fused_chain_reads": (3, 0), "fused_dplr_chunks": (0, 1)}
 
 
 def fresh_states(torch, monkeypatch, name):
-    """Wrap ``ops.<name>`` so that each call appends ``(chunks, made)``: its number of chunks and
+    """Wrap ``loops.<name>`` so that each call appends ``(chunks, made)``: its number of chunks and
     the PyTorch operations inside it that returned a new tensor of the flattened state's shape
     (not in place, not into ``out=``, not a view)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     calls = []
-    fused = getattr(ops, name)
+    fused = getattr(loops, name)
 
     state, chunked = LOOPS[name]
 
@@ -52,7 +52,7 @@ def fresh_states(torch, monkeypatch, name):
             calls.append((args[chunked].shape[-3], made))
         return result
 
-    monkeypatch.setattr(ops, name, watched)
+    monkeypatch.setattr(loops, name, watched)
     for module in (polylin._forms.delta.chunked, polylin._forms.common.prefix,
                    polylin._forms.dplr.chunked):  # fmt: skip
         if hasattr(module, name):
@@ -101,7 +101,7 @@ CALLS = {"fused_delta_chunks": _delta, "fused_chain_reads": _chain, "fused_dplr_
 
 
 def _never_owned(*args):
-    """``_backend.ops._owned_states`` as it would be with a gradient: no chunk owns its state."""
+    """``_backend.fused._owned_states`` as it would be with a gradient: no chunk owns its state."""
     return iter(lambda: False, True)
 
 
@@ -116,7 +116,7 @@ def test_fused_loop_makes_one_state_and_leaves_the_callers(monkeypatch, name):
     with torch.no_grad():
         for owned in (True, False):
             if not owned:
-                monkeypatch.setattr(ops, "_owned_states", _never_owned)
+                monkeypatch.setattr(loops, "_owned_states", _never_owned)
             calls.clear()
             S0, out, S = CALLS[name](torch, np.random.default_rng(7), grad=False)
             kept = S0.clone()
@@ -142,7 +142,7 @@ def test_fused_delta_loop_with_a_gradient_makes_a_state_per_chunk(monkeypatch):
         torch.set_num_threads(1)
         for owned in (True, False):
             if not owned:
-                monkeypatch.setattr(ops, "_owned_states", _never_owned)
+                monkeypatch.setattr(loops, "_owned_states", _never_owned)
             calls.clear()
             inputs, out, S = _delta(torch, np.random.default_rng(7), grad=True)
             assert calls and all(made == ["mul.Tensor"] * chunks for chunks, made in calls), calls
@@ -151,3 +151,4 @@ def test_fused_delta_loop_with_a_gradient_makes_a_state_per_chunk(monkeypatch):
         torch.set_num_threads(before)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+

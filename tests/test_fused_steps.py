@@ -1,4 +1,4 @@
-"""The fused PyTorch decoding steps (``_backend.ops.fused_*_step``): the recurrences' values and
+"""The fused PyTorch decoding steps (``_backend.fused.fused_*_step``): the recurrences' values and
 gradients, with and without autograd recording, and the caller's arrays never written."""
 
 from __future__ import annotations
@@ -105,22 +105,22 @@ def test_the_callers_state_is_never_written(rule, grad):
 def test_the_fused_forms_apply_to_these_inputs_only():
     """One state per token row: fused; a key shared by grouped heads: fused outside autograd
     (expanded), the array-API form under it; NumPy arrays: the array-API form."""
-    from polylin._backend import ops
+    from polylin._backend import fused as loops
 
     x = {name: a.detach() for name, a in draws(2, "channel").items()}
     decay = torch.exp(x["g"])
-    assert ops.fused_delta_step(x["q"], x["k"], x["v"], x["beta"], decay, x["S"]) is not None
-    assert ops.fused_dplr_step(x["q"], x["k"], x["v"], x["a"], x["b"], decay, x["S"]) is not None
-    assert ops.fused_linear_step(x["q"], x["k"], x["v"], decay, x["S"], x["z"]) is not None
+    assert loops.fused_delta_step(x["q"], x["k"], x["v"], x["beta"], decay, x["S"]) is not None
+    assert loops.fused_dplr_step(x["q"], x["k"], x["v"], x["a"], x["b"], decay, x["S"]) is not None
+    assert loops.fused_linear_step(x["q"], x["k"], x["v"], decay, x["S"], x["z"]) is not None
     shared = x["k"][:, :1]
-    fused = ops.fused_linear_step(x["q"], shared, x["v"], None, x["S"], x["z"])
+    fused = loops.fused_linear_step(x["q"], shared, x["v"], None, x["S"], x["z"])
     assert fused is not None
     torch.testing.assert_close(fused[1], x["S"] + shared[..., :, None] * x["v"][..., None, :],
                                rtol=0, atol=1e-15)  # fmt: skip
     recorded = shared.clone().requires_grad_()
-    assert ops.fused_delta_step(x["q"], recorded, x["v"], x["beta"], decay, x["S"]) is None
-    assert ops.fused_dplr_step(*(a.numpy() for a in (x["q"], x["k"], x["v"], x["a"], x["b"])),
-                               None, x["S"].numpy()) is None  # fmt: skip
+    assert loops.fused_delta_step(x["q"], recorded, x["v"], x["beta"], decay, x["S"]) is None
+    assert loops.fused_dplr_step(*(a.numpy() for a in (x["q"], x["k"], x["v"], x["a"], x["b"])),
+                                None, x["S"].numpy()) is None  # fmt: skip
 
 
 def test_grouped_keys_outside_autograd_match_the_formula():
@@ -139,7 +139,7 @@ def test_a_plan_finds_grouped_keys_once(rule):
     against the heads (``StepRows.broadcast``): each token then only expands them, outside
     autograd to the recurrence's values; under autograd the array-API form runs, with the
     recurrence's values and gradients."""
-    from polylin._backend.ops import StepRows
+    from polylin._backend.fused import StepRows
 
     prepared = {"delta": polylin.prepare_delta_rule_step(scale=0.5),
                 "dplr": polylin.prepare_dplr_step(scale=0.5),

@@ -217,7 +217,7 @@ def test_torch_func_transforms(blocks, rng):
 
 def test_torch_writes_each_chunks_reads_as_the_chain_runs(monkeypatch, rng):
     """On PyTorch without a gradient to record, the chain of states writes each chunk's read-out
-    into its slot (``_backend.ops.fused_chain_reads``; batch and groups make the slots strided):
+    into its slot (``_backend.fused.fused_chain_reads``; batch and groups make the slots strided):
     the same outputs and state as the stacked states' batched product. With a gradient to
     record the array-API chain runs."""
     torch = pytest.importorskip("torch")

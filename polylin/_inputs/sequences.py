@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 
 from .._backend.denormals import flushing_denormals
 from .._backend.execution import check_static
+from .._backend.fused import StepRows
 from .._backend.namespace import is_array
-from .._backend.ops import StepRows, nonpositive
+from .._backend.ops import nonpositive
 from .gates import check_log_decay, log_decay_values
 from .layout import SequenceLayout
 from .prepare import finish
@@ -108,7 +109,7 @@ class StepPlan(NamedTuple):
     #: conversion gives (no cast, reshape or broadcast), as in a model's decoding loop.
     as_given: bool = False
     #: PyTorch, arrays as given with the state's leading dimensions or broadcasting against
-    #: them: what ``_backend.ops.fused_delta_step(rows=)`` needs, found once; else ``None``.
+    #: them: what ``_backend.fused.fused_delta_step(rows=)`` needs, found once; else ``None``.
     fused_rows: StepRows | None = None
 
 

@@ -432,9 +432,8 @@ def _outward_sums(xp: Any, G: Any) -> Any:
     dev = device(G)
     t = xp.arange(-1, chunk, device=dev)[:, None]  # e_t for t = -1..C-1
     r = xp.arange(chunk, device=dev)[None, :]
-    after = xp.astype((middle < r) & (r <= t), G.dtype)
-    before = xp.astype((t < r) & (r <= middle), G.dtype)
-    signs = after - before
+    # +1 where m < r <= t (after the middle), -1 where t < r <= m (before it), else 0
+    signs = xp.astype(r <= t, G.dtype) - xp.astype(r <= middle, G.dtype)
     return xp.broadcast_to(signs, (*G.shape[:-2], *signs.shape)) @ G
 
 
@@ -449,9 +448,6 @@ def _through_middle(
     inverse = reciprocal(xp, grows)  # exp(-e_{t-1}); the first row exp(b_m) (within exp(16))
     shrinks, to_start = inverse[..., 1:, :], inverse[..., :1, :]  # exp(-e), exp(b_m)
     to_end = grows[..., -1:, :]  # exp(B - b_m)
-    chunk = outward.shape[-2] - 1
-    lower = causal_mask(xp, chunk, chunk, device(outward))
-    strict = causal_mask(xp, chunk, chunk, device(outward), strict=True)
     solve = unit_lower_solver(xp, outward)  # PyTorch, XLA under jit: a batched triangular solve
     met = [shrinks * key for key in key_sets]  # k_s exp(-e_s)
     matrices, decayed = [], []
@@ -463,13 +459,13 @@ def _through_middle(
         for key, kind in zip(met, row_kinds):
             M = matmul(xp, meeting, xp.matrix_transpose(key))
             if kind == SCORES:
-                row_matrices.append(keep_lower(xp, M, lower, fresh=True))
+                row_matrices.append(keep_lower(xp, M, fresh=True))
             elif kind == READ_SCORES:
-                row_matrices.append(keep_lower(xp, M, strict, strict=True, fresh=True))
+                row_matrices.append(keep_lower(xp, M, strict=True, fresh=True))
             elif solve is not None:  # reads M's strictly lower triangle only
                 row_matrices.append(solve(-M))
             else:
-                L = keep_lower(xp, M, strict, strict=True, fresh=True)
+                L = keep_lower(xp, M, strict=True, fresh=True)
                 row_matrices.append(unit_lower_inverse(xp, L))
         matrices.append(row_matrices)
     if not relative:

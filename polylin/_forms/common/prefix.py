@@ -12,15 +12,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._backend.execution import chains_decay, scan, scans_chunks
+from ..._backend.fused import fused_chain_reads
 from ..._backend.namespace import device
-from ..._backend.ops import (
-    add_scaled,
-    concat_leading,
-    cumulative_sum,
-    fused_chain_reads,
-    matmul,
-    unstack,
-)
+from ..._backend.ops import add_scaled, concat_leading, cumulative_sum, matmul, unstack
 
 __all__ = ["chunk_loop", "chunk_prefix", "chunk_reads"]
 
@@ -122,7 +116,7 @@ def chunk_reads(
     """``queries_n @ S_n`` for the states before each chunk of :func:`chunk_prefix`
     (``queries`` ``(..., n, C, d_phi)``), and the state after the last chunk. A decay chained
     on PyTorch without a gradient to record writes each product as the chain runs
-    (:func:`~polylin._backend.ops.fused_chain_reads`: no stacked states)."""
+    (:func:`~polylin._backend.fused.fused_chain_reads`: no stacked states)."""
     if chained and decay is not None:
         fused = fused_chain_reads(queries, increments, decay, state)
         if fused is not None:

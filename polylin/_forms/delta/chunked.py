@@ -50,13 +50,13 @@ from ..._backend.execution import (
     scan,
     scans_chunks,
 )
+from ..._backend.fused import fused_delta_chunks
 from ..._backend.namespace import device
 from ..._backend.ops import (
     add_matmul,
     causal_mask,
     cumulative_sum,
     dense,
-    fused_delta_chunks,
     keep_lower,
     l2_normalize,
     matmul,

@@ -33,15 +33,9 @@ from functools import partial
 from typing import Any
 
 from ..._backend.execution import cpu_threads, eager_cpu, records_gradient, scan, scans_chunks
+from ..._backend.fused import fused_dplr_chunks
 from ..._backend.namespace import device
-from ..._backend.ops import (
-    add_matmul,
-    add_scaled,
-    fused_dplr_chunks,
-    pad_rows,
-    split_rows,
-    unit_lower_solver,
-)
+from ..._backend.ops import add_matmul, add_scaled, pad_rows, split_rows, unit_lower_solver
 from ..common.intra_chunk import READ_SCORES, READ_SOLVE, SCORES, intra_chunk
 from ..common.prefix import chunk_loop
 
@@ -160,7 +154,7 @@ def _chunks(
 ) -> tuple[Any, Any]:
     """Outputs of consecutive chunks (their length a multiple of ``chunk``) from the state ``S``,
     and the state after them; ``in_loop``: each chunk's outputs read inside the loop over chunks
-    where PyTorch can (:func:`~polylin._backend.ops.fused_dplr_chunks`), else after it."""
+    where PyTorch can (:func:`~polylin._backend.fused.fused_dplr_chunks`), else after it."""
     length, d_v = k.shape[-2], v.shape[-1]
     n_chunks = length // chunk
     Q, K, V, A, B, *rest = (
@@ -188,7 +182,7 @@ def _chunks(
     decay = None if whole is None else xp.matrix_transpose(whole)  # (..., n, w, 1)
     B_t = xp.matrix_transpose(values)
     fused = None
-    if in_loop:  # each chunk's read-out inside the loop (_backend.ops.fused_dplr_chunks)
+    if in_loop:  # each chunk's read-out inside the loop (_backend.fused.fused_dplr_chunks)
         fused = fused_dplr_chunks(S, U, W, B_t, increments, decay, queries, A_qk, V, A_qb)
     if fused is not None:
         out, S = fused

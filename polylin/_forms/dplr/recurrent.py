@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._backend.ops import add_outer, fused_dplr_step, unstack, vector_times_matrix
+from ..._backend.fused import fused_dplr_step
+from ..._backend.ops import add_outer, unstack, vector_times_matrix
 
 __all__ = ["dplr_recurrent", "dplr_step"]
 

@@ -13,7 +13,8 @@ from functools import partial
 from typing import Any
 
 from ..._backend.execution import scan
-from ..._backend.ops import StepRows, add_outer, fused_linear_step, unstack, vector_times_matrix
+from ..._backend.fused import StepRows, fused_linear_step
+from ..._backend.ops import add_outer, unstack, vector_times_matrix
 
 __all__ = ["causal_recurrent", "recurrent_step"]
 
@@ -36,7 +37,7 @@ def recurrent_step(
     ``fq``, ``fk`` are mapped features ``(..., d_phi)``, ``v`` is ``(..., d_v)``, ``S`` and ``z``
     the state before the token, ``log_decay`` ``(..., 1 or d_phi)`` or None. Cost and memory
     are independent of the position. ``rows``: what the caller found about the per-token
-    arrays where the fused PyTorch step applies (``_backend.ops.fused_step_rows``).
+    arrays where the fused PyTorch step applies (``_backend.fused.fused_step_rows``).
     """
     factor = None if log_decay is None else xp.exp(log_decay)
     fused = fused_linear_step(fq, fk, v, factor, S, z, rows=rows)  # PyTorch, a state a row
