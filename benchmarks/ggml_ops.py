@@ -1,7 +1,7 @@
 """polylin against llama.cpp's ggml CPU kernels, on the same shapes: prefill and decode.
 
     python benchmarks/ggml_ops.py [--threads 1 2] [--repeats 7] [--json PATH] [--cache DIR]
-                                  [--allocator default|resident] [--blas default|avx512]
+                                  [--allocator default|glibc|resident] [--blas default|avx512]
                                   [--skip-ggml] [--build-only] [--quick]
 
 Builds ggml's ``test-backend-ops`` from the llama.cpp vendored in the pinned llama-cpp-python
@@ -58,6 +58,7 @@ from benchmarks.timing import (  # noqa: E402
     ALLOCATORS,
     allocator_environment,
     allocator_regime,
+    apply_allocator_regime,
     command_line,
     run_metadata,
     second_of_calls,
@@ -587,6 +588,7 @@ def _worker(args: argparse.Namespace) -> None:
     standard input, time that case and print its rows as one line of JSON."""
     threads = args.threads[0]
     pin(threads)  # before any library starts a thread: a thread keeps the cores it started on
+    apply_allocator_regime()
     import torch
 
     torch.set_num_threads(threads)
@@ -645,17 +647,24 @@ class PolylinWorker:
 def run_pass(
     args: argparse.Namespace, binary: Path | None, chosen: list[Case], threads: int
 ) -> dict[str, Any]:
-    """One pass on ``threads`` threads: for each case ggml's time, then polylin's."""
-    worker = PolylinWorker(args, threads)
+    """One pass on ``threads`` threads: for each case ggml's time, then polylin's, in one worker
+    process for the pass or (``--fresh``) a worker of its own, started before ggml's run."""
+    shared = None if args.fresh else PolylinWorker(args, threads)
     ggml: list[dict[str, Any]] = []
     polylin: list[dict[str, Any]] = []
     try:
         for case in chosen:
-            if binary is not None and not args.quick:
-                ggml += run_ggml(binary, threads, case)
-            polylin += worker.time(case)
+            worker = shared or PolylinWorker(args, threads)
+            try:
+                if binary is not None and not args.quick:
+                    ggml += run_ggml(binary, threads, case)
+                polylin += worker.time(case)
+            finally:
+                if worker is not shared:
+                    worker.close()
     finally:
-        worker.close()
+        if shared is not None:
+            shared.close()
     return {"threads": threads, "ggml": ggml, "polylin": polylin}
 
 
@@ -679,6 +688,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument(
         "--allocator", choices=list(ALLOCATORS),
         help="glibc's regime for polylin's worker processes (default: this shell's)")
+    parser.add_argument(
+        "--fresh", action="store_true",
+        help="a worker process of its own for each case: a process's first calls, whose "
+             "allocator has not seen the earlier cases' frees")
     parser.add_argument("--blas", choices=blas_path.PATHS)  # default: this shell's
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -709,7 +722,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     report = {
         "meta": run_metadata(command_line("ggml_ops.py", argv),
                              ggml=None if binary is None else str(binary), sdist=SDIST,
-                             allocator=allocator_regime(args.allocator),
+                             allocator=allocator_regime(args.allocator), fresh=args.fresh,
                              blas=blas_path.regime(args.blas, args.blas_library)),
         "rows": rows, "passes": passes, "goals": goals,
     }  # fmt: skip

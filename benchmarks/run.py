@@ -20,6 +20,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import cpu, dask_scaleout, gpu
+from benchmarks.timing import apply_allocator_regime
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return feature_maps.main(argv[1:])
     args = parser().parse_args(argv)
+    apply_allocator_regime()  # a worker of benchmarks/threads.py in the glibc regime
     if args.command is None:
         parser().print_help()
         return 0

@@ -17,7 +17,9 @@ ratios more than the threads do. glibc returns a freed buffer above its mmap thr
 in a fresh process, raised to the size of the largest such buffer freed so far, at most 32 MiB)
 to the system, and trims the top of its heap above twice that: in ``default`` a process that has
 freed no large array yet pays a page fault per 4 KiB of every large temporary, at every call,
-as a first call or a short script does. ``resident`` sets ``MALLOC_MMAP_THRESHOLD_`` and
+as a first call or a short script does (polylin's first eager call raises both thresholds as far
+as glibc's rule goes, ``polylin/_backend/allocator.py``; ``glibc`` leaves them as they come).
+``resident`` sets ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` so high that every buffer comes from the heap and stays there: no
 page faults after the first call, as in a long-running process whose allocator has settled,
 and the algorithms compared on their arithmetic. The report gives, per regime, backend, pass,

@@ -35,6 +35,7 @@ __all__ = [
     "Timing",
     "allocator_environment",
     "allocator_regime",
+    "apply_allocator_regime",
     "command_line",
     "gemm_rate",
     "goal",
@@ -179,32 +180,49 @@ def gemm_rate(backend: Backend, n: int, *, dtype: str = "float32", repeats: int 
 #: glibc's variables that decide whether freed memory stays in the process.
 ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
+#: Set by the ``glibc`` regime: its worker turns polylin's raise of glibc's thresholds off
+#: before its first call (:func:`apply_allocator_regime`).
+UNRAISED = "POLYLIN_BENCH_UNRAISED"
+
 #: The environment of each allocator regime a benchmark's worker process can run under.
-#: ``default``: glibc as it comes. A buffer above its mmap threshold (128 KiB in a fresh process,
-#: raised to the largest such buffer freed so far, at most 32 MiB) is a fresh mapping, and the
-#: heap's top is given back above twice that threshold: each 4 KiB page of such memory is a page
-#: fault when next touched. ``resident``: both thresholds so high that every buffer comes from
-#: the heap and stays there, no page faults after the first call.
+#: ``default``: glibc as it comes, what a user gets. A buffer above its mmap threshold (128 KiB
+#: in a fresh process, raised to the largest such buffer freed so far, at most 32 MiB) is a
+#: fresh mapping, and the heap's top is given back above twice that threshold: each 4 KiB page
+#: of such memory is a page fault when next touched. polylin's first eager call raises both as
+#: far as glibc's rule goes (``polylin/_backend/allocator.py``). ``glibc``: the same without
+#: that raise (polylin before it; every other library). ``resident``: both thresholds so high
+#: that every buffer comes from the heap and stays there, no page faults after the first call.
 ALLOCATORS: dict[str, dict[str, str]] = {
     "default": {},
+    "glibc": {UNRAISED: "1"},
     "resident": {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**31)},
 }
 
 
 def allocator_environment(allocator: str | None, env: dict[str, str]) -> dict[str, str]:
     """A copy of ``env`` in the regime ``allocator`` of :data:`ALLOCATORS` (glibc's own variables
-    from ``env`` dropped, the regime's set), or as it is for ``None``."""
+    and :data:`UNRAISED` from ``env`` dropped, the regime's set), or as it is for ``None``."""
     if allocator is None:
         return dict(env)
-    kept = {name: value for name, value in env.items() if name not in ALLOCATOR_VARIABLES}
+    dropped = (*ALLOCATOR_VARIABLES, UNRAISED)
+    kept = {name: value for name, value in env.items() if name not in dropped}
     return {**kept, **ALLOCATORS[allocator]}
+
+
+def apply_allocator_regime() -> None:
+    """In a worker process, before polylin's first call: the part of the ``glibc`` regime that
+    an environment variable of glibc's cannot set (:data:`UNRAISED`)."""
+    if os.environ.get(UNRAISED) == "1":
+        from polylin._backend.allocator import leave_thresholds
+
+        leave_thresholds()
 
 
 def allocator_regime(allocator: str | None) -> dict[str, str]:
     """For a report: the regime ``allocator`` (``None``: this process's environment, named
     ``inherited``), glibc's variables it sets and ``LD_PRELOAD`` (another allocator) if set."""
     env = allocator_environment(allocator, dict(os.environ))
-    named = (*ALLOCATOR_VARIABLES, "LD_PRELOAD")
+    named = (*ALLOCATOR_VARIABLES, UNRAISED, "LD_PRELOAD")
     return {"name": allocator or "inherited", **{n: env[n] for n in named if n in env}}
 
 

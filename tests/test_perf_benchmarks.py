@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_decoding_benchmark(tmp_path):
@@ -128,17 +134,46 @@ def test_array_blocks_benchmark(tmp_path):
 
 
 def test_allocator_environment_sets_the_regime_and_keeps_the_rest():
-    """benchmarks/timing.py: ``default`` drops glibc's variables from the environment given,
-    ``resident`` sets both high; everything else is kept and the mapping given is not modified."""
-    from benchmarks.timing import ALLOCATOR_VARIABLES, allocator_environment
+    """benchmarks/timing.py: ``default`` drops glibc's variables and the ``glibc`` regime's own
+    from the environment given, ``glibc`` sets its own, ``resident`` sets glibc's both high;
+    everything else is kept and the mapping given is not modified."""
+    from benchmarks.timing import ALLOCATOR_VARIABLES, UNRAISED, allocator_environment
 
-    given = {"MALLOC_TRIM_THRESHOLD_": "1", "PATH": "/bin"}
+    given = {"MALLOC_TRIM_THRESHOLD_": "1", UNRAISED: "1", "PATH": "/bin"}
     assert allocator_environment("default", given) == {"PATH": "/bin"}
+    assert allocator_environment("glibc", given) == {"PATH": "/bin", UNRAISED: "1"}
     assert allocator_environment("resident", given) == {
         "PATH": "/bin", "MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**31),
     }  # fmt: skip
-    assert given == {"MALLOC_TRIM_THRESHOLD_": "1", "PATH": "/bin"}
+    assert given == {"MALLOC_TRIM_THRESHOLD_": "1", UNRAISED: "1", "PATH": "/bin"}
     assert set(ALLOCATOR_VARIABLES) == {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}
+
+
+@pytest.mark.parametrize("regime, raised", [("default", True), ("glibc", False)])
+def test_allocator_regime_of_a_worker(regime, raised):
+    """A worker started in the ``glibc`` regime turns polylin's raise of glibc's thresholds off
+    before its first call (``apply_allocator_regime``); in ``default`` polylin raises them at
+    its first eager call. Run in a fresh interpreter each: the raise happens once a process."""
+    from benchmarks.timing import allocator_environment
+
+    script = (
+        "import numpy as np, polylin, polylin._backend.allocator as a\n"
+        "from benchmarks.timing import apply_allocator_regime\n"
+        "apply_allocator_regime()\n"
+        "calls = []\n"
+        "a._glibc = lambda: calls.append(1) or False\n"
+        "x = np.ones((1, 4, 2), dtype=np.float32)\n"
+        "polylin.causal_linear_attention(x, x, x)\n"
+        "print(len(calls))\n"
+    )
+    env = allocator_environment(regime, dict(os.environ))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == (["1"] if raised else ["0"])
 
 
 def test_ggml_ops_benchmark_polylin_side(tmp_path, monkeypatch):
@@ -177,6 +212,31 @@ def test_ggml_ops_benchmark_polylin_side(tmp_path, monkeypatch):
     assert all(r["faults_per_call"] >= 0 for r in report["rows"])
     assert all("ratio" not in r for r in report["rows"]) and report["goals"] == []
     assert json.loads(out.read_text())["rows"] == report["rows"]
+
+
+def test_ggml_ops_fresh_starts_a_worker_for_each_case(monkeypatch):
+    """``--fresh``: each case is timed in a worker process of its own (in the ``glibc`` regime
+    here: glibc's thresholds as they come), and the report says so."""
+    from benchmarks import ggml_ops
+    from benchmarks.timing import UNRAISED
+
+    started, real = [], subprocess.Popen
+
+    def popen(command, *args, **kwargs):
+        if "--worker" in command:
+            started.append(kwargs["env"].get(UNRAISED))
+        return real(command, *args, **kwargs)
+
+    monkeypatch.setattr(ggml_ops.subprocess, "Popen", popen)
+    report = ggml_ops.main([
+        "--quick", "--skip-ggml", "--passes", "1", "--threads", "1", "--repeats", "1",
+        "--only", "SSM_CONV", "--allocator", "glibc", "--fresh",
+    ])  # fmt: skip
+    cases = [c.name for c in ggml_ops.cases(quick=True) if c.op == "SSM_CONV"]
+    assert len(cases) > 1 and started == ["1"] * len(cases)
+    assert [r["case"] for r in report["rows"] if r["backend"] == "torch"] == cases
+    assert report["meta"]["fresh"] is True
+    assert report["meta"]["allocator"] == {"name": "glibc", UNRAISED: "1"}
 
 
 def test_ggml_ops_filter_picks_each_case_alone():

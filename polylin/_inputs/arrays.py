@@ -7,6 +7,7 @@ from __future__ import annotations
 import numbers
 from typing import TYPE_CHECKING, Any
 
+from .._backend.allocator import raise_thresholds
 from .._backend.namespace import array_namespace, is_array, unsupported_array
 from .._backend.namespace import device as device_of
 from .._backend.ops import broadcast_shape
@@ -61,6 +62,8 @@ def namespace_of(**arrays: Any) -> Any:
                 f"{library_name(arrays[first])} "
                 "array; pass arrays from one library"
             )
+    if xp is not None:
+        raise_thresholds(xp, arrays[first])  # the process's first eager call: once
     return xp
 
 
