@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="the threads the goals are judged at (default: the CPU count)",
     )
     parser.add_argument(
-        "--allocators", nargs="+", default=list(ALLOCATORS), choices=list(ALLOCATORS),
+        "--allocators", nargs="+", default=["default", "resident"], choices=list(ALLOCATORS),
         help="allocator regimes (default: default resident; module docstring)",
     )  # fmt: skip
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
