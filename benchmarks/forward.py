@@ -74,14 +74,16 @@ def load_release(folder: Path) -> Any | None:
     return importlib.import_module("polylin_010")
 
 
-def _factored_channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
+def _factored_channel_gate(
+    xp: Any, Q: Any, K: Any, G: Any, scale: float = 1.0
+) -> tuple[Any, Any, Any, Any]:
     """The per-channel ``_channel_gate`` of ``polylin._forms.linear.chunked`` factored over the
-    whole chunk (``channel floor``)."""
+    whole chunk (``channel floor``); ``scale`` multiplies the queries, not the scores."""
     b = torch.cumsum(G, dim=-2)
     whole = torch.exp(b[..., -1:, :])
     queries, keys = Q * torch.exp(b), K * torch.exp(-b)  # the two exponentials it needs
     scores = torch.tril(queries @ keys.transpose(-1, -2))
-    return scores, queries, keys * whole, whole
+    return scores, (queries if scale == 1.0 else queries * scale), keys * whole, whole
 
 
 @contextlib.contextmanager

@@ -454,11 +454,10 @@ def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[]
     if case.family == "gla":
         scale = case.size("d") ** -0.5
         if decode:
-            step = prepare_step(identity, normalize=False)
-            return lambda: step(token["q"] * scale, token["k"], token["v"], state,
-                                log_decay=token["g"])  # fmt: skip
+            step = prepare_step(identity, normalize=False, scale=scale)
+            return lambda: step(token["q"], token["k"], token["v"], state, log_decay=token["g"])
         return lambda: causal_linear_attention(
-            x["q"] * scale, x["k"], x["v"], identity, log_decay=x["g"], normalize=False,
+            x["q"], x["k"], x["v"], identity, log_decay=x["g"], normalize=False, scale=scale,
             initial_state=state, return_state=True, seq_axis=1)  # fmt: skip
 
     def ssm_inputs(at: dict[str, Any]) -> tuple[Any, Any]:  # x dt', dt' A

@@ -15,7 +15,7 @@ from ._inputs.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from ._inputs.gates import check_log_decay, check_normalize, standard_log_decay
 from ._inputs.layout import DEFAULT_SEQ_AXIS, standard_layout
 from ._inputs.prepare import apply_feature_map, finish, select
-from ._inputs.sequences import run_sequences
+from ._inputs.sequences import check_scale, run_sequences
 from ._inputs.state import LinearAttentionState
 from ._inputs.validation import (
     check_flag,
@@ -57,6 +57,7 @@ def causal_linear_attention(
     seq_axis: int = DEFAULT_SEQ_AXIS,
     log_decay: Array | float | None = None,
     normalize: bool = True,
+    scale: float = 1.0,
 ) -> Array | tuple[Array, LinearAttentionState]:
     r"""Causal linear attention: ``o_t = phi(q_t) S_t / (phi(q_t) @ z_t + eps)``.
 
@@ -129,6 +130,12 @@ def causal_linear_attention(
         Divide by the normalizer ``phi(q_t) . z_t + eps``; ``False`` returns the numerator
         ``phi(q_t) S_t`` (RetNet, GLA and Mamba-2 do not normalize; ``eps`` is then unused).
         The state keeps ``z`` either way.
+    scale : float
+        Multiplies the mapped queries: ``o_t = S_t^T (scale phi(q_t))`` (GLA, RetNet and fla's
+        ops scale by ``d_k ** -0.5``); normalized, numerator and normalizer alike, so that only
+        ``eps`` weighs differently. The state does not depend on it. Given here rather than
+        applied to ``q`` first, it costs no pass over the queries where a gate's factors
+        carry it (the chunked form with a ``log_decay`` array).
 
     Returns
     -------
@@ -146,7 +153,7 @@ def causal_linear_attention(
     ValueError
         Mismatched shapes or devices, a mask that fits neither mask rule, an unknown method,
         ``chunk_size < 1``, ``eps`` not positive and finite in the work dtype, a number
-        ``log_decay`` above 0.
+        ``log_decay`` above 0, a ``scale`` that is not finite.
 
     Notes
     -----
@@ -181,6 +188,7 @@ def causal_linear_attention(
     check_method(method, METHODS)
     check_normalize(normalize)
     check_flag("return_state", return_state)
+    scale = check_scale(scale)
     xp, T = inputs.xp, q.shape[-2]
     shapes = (layout.caller_shape(tuple(q.shape)), layout.caller_shape(tuple(k.shape)))
 
@@ -196,24 +204,28 @@ def causal_linear_attention(
     decay = check_log_decay(inputs, log_decay, length=T, d_phi=d_phi, layout=layout)
     arrays = [q, k, inputs.to_work_dtype(v)] + ([] if decay is None else [decay])
 
+    def scaled(q: Array, k: Array, keep: Array | None) -> tuple[Array, Array]:
+        fq, fk = features(q, k, keep)
+        return (fq if scale == 1.0 else fq * scale), fk
+
     def algorithm(arrays: list[Array], state: Any, keep: Array | None) -> tuple[Array, Any]:
         q, k, v, *rest = arrays
         g = rest[0] if rest else None
         S, z = state
         if method == "chunked" and scans_tokens(xp, v):
             out, S, z = _scanned_chunked(
-                xp, *features(q, k, keep), v, S, z, g, chunk_size=chunk_size, eps=eps,
+                xp, *scaled(q, k, keep), v, S, z, g, chunk_size=chunk_size, eps=eps,
                 normalize=normalize,
             )  # fmt: skip
         elif method == "chunked":
             out, S, z = causal_chunked(
                 xp, features, q, k, v, S, z, mask=keep, chunk_size=chunk_size, eps=eps,
-                log_decay=g, normalize=normalize,
+                log_decay=g, normalize=normalize, scale=scale,
             )  # fmt: skip
         else:
             form = causal_recurrent if method == "recurrent" else partial(quadratic, causal=True)
             out, S, z = form(
-                xp, *features(q, k, keep), v, S, z, eps=eps, log_decay=g, normalize=normalize
+                xp, *scaled(q, k, keep), v, S, z, eps=eps, log_decay=g, normalize=normalize
             )
         return out, LinearAttentionState(S, z)
 

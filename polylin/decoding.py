@@ -12,6 +12,7 @@ from ._forms.linear.recurrent import recurrent_step
 from ._inputs.defaults import DEFAULT_EPS
 from ._inputs.gates import check_log_decay, check_normalize, log_decay_values
 from ._inputs.prepare import apply_feature_map, finish, map_features, select
+from ._inputs.sequences import check_scale
 from ._inputs.state import LinearAttentionState
 from ._inputs.steps import PER_CALL, PlanCache, PreparedStep
 from ._inputs.validation import (
@@ -40,6 +41,7 @@ def step(
     attention_mask: Array | None = None,
     log_decay: Array | float | None = None,
     normalize: bool = True,
+    scale: float = 1.0,
 ) -> tuple[Array, LinearAttentionState]:
     """Attend one new token: update the state with ``(k_t, v_t)`` and read it with ``q_t``.
 
@@ -77,6 +79,8 @@ def step(
         :doc:`/decay`.
     normalize : bool
         Divide by ``phi(q_t) . z_t + eps``; ``False`` returns ``phi(q_t) S_t``.
+    scale : float
+        Multiplies the mapped query, as in :func:`~polylin.causal_linear_attention`.
 
     Returns
     -------
@@ -94,7 +98,7 @@ def step(
     ValueError
         Mismatched shapes or devices (a token that still has its length-1 T axis; a state
         built with a feature map of another size), ``eps`` not positive and finite in the work
-        dtype.
+        dtype, a ``scale`` that is not finite.
 
     Examples
     --------
@@ -113,9 +117,9 @@ def step(
     """
     args = (q_t, k_t, v_t, state, attention_mask, log_decay)
     plan, mapped = _PLANS.plan(
-        partial(_plan_step, feature_map=feature_map, eps=eps, normalize=normalize),
+        partial(_plan_step, feature_map=feature_map, eps=eps, normalize=normalize, scale=scale),
         args,
-        (feature_map, eps, normalize),
+        (feature_map, eps, normalize, scale),
     )
     return _run_step(plan, *args, checked=mapped)
 
@@ -132,6 +136,7 @@ class _StepPlan(NamedTuple):
     map_key: Callable[[Any], Any]
     eps: float
     normalize: bool
+    scale: float  # multiplies the mapped query
     mask_shape: tuple | None  # the token mask as (..., 1)
     state_shapes: tuple[tuple, tuple]  # (S, z) broadcast to the batch
     broadcast_state: bool  # a given state has fewer leading dimensions than the batch
@@ -150,11 +155,13 @@ def _plan_step(
     feature_map: FeatureMap | None,
     eps: float,
     normalize: bool,
+    scale: float,
 ) -> tuple[_StepPlan, tuple[Array, Array]]:
     """Check every argument of :func:`step`; return the plan and the mapped ``(fq, fk)``."""
     inputs = check_qkv(q_t, k_t, v_t, causal=True, single_token=True)
     eps, _ = check_options(eps=eps, inputs=inputs)
     check_normalize(normalize)
+    scale = check_scale(scale)
     xp = inputs.xp
     mask = None if attention_mask is None else check_token_mask(inputs, attention_mask)
     q_t, k_t = (select(xp, mask, x) for x in (q_t, k_t))
@@ -181,6 +188,7 @@ def _plan_step(
         map_key,
         eps,
         normalize,
+        scale,
         None if mask is None else tuple(mask.shape),
         (tuple(S.shape), tuple(z.shape)),
         state is not None
@@ -213,6 +221,8 @@ def _run_step(
         if checked is None:
             q_t, k_t = select(xp, mask, q_t), select(xp, mask, k_t)
     fq, fk = checked or map_features(inputs, plan.map_query, plan.map_key, q_t, k_t)
+    if plan.scale != 1.0:
+        fq = fq * plan.scale
     if mask is not None:
         fk = select(xp, mask, fk)
     v_t = inputs.to_work_dtype(v_t)
@@ -240,6 +250,7 @@ def prepare_step(
     *,
     eps: float = DEFAULT_EPS,
     normalize: bool = True,
+    scale: float = 1.0,
 ) -> PreparedStep:
     """:func:`step` for a decoding loop: arguments checked once, then arithmetic only.
 
@@ -259,6 +270,8 @@ def prepare_step(
     eps : float
         As in :func:`step`; checked at the first call.
     normalize : bool
+        As in :func:`step`; checked at the first call.
+    scale : float
         As in :func:`step`; checked at the first call.
 
     Returns
@@ -282,7 +295,7 @@ def prepare_step(
     True
     """
 
-    plan = partial(_plan_step, feature_map=feature_map, eps=eps, normalize=normalize)
+    plan = partial(_plan_step, feature_map=feature_map, eps=eps, normalize=normalize, scale=scale)
     names = ("q_t", "k_t", "v_t", "state", "attention_mask", "log_decay")
     return PreparedStep(
         plan, _run_step, name="step", names=names, required=3, positional_only=3, positional=4

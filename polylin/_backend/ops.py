@@ -242,11 +242,15 @@ def reciprocal(xp: Any, x: Any) -> Any:
     return 1.0 / x
 
 
-def add_matmul(xp: Any, c: Any, a: Any, b: Any, *, fresh: bool = False) -> Any:
-    """``c + a @ b``, leading dimensions broadcast as in :func:`matmul`. PyTorch, where the three
-    have the same leading dimensions (at least one): one ``baddbmm`` of the flattened batch,
-    which writes the sum once instead of the product and then the sum (a block's read-out,
-    ``(2, 4, 16, 64, 64)``, one thread: 0.7x the time of the matmul and the addition).
+def add_matmul(
+    xp: Any, c: Any, a: Any, b: Any, *, fresh: bool = False, alpha: float = 1.0
+) -> Any:
+    """``c + alpha * (a @ b)``, leading dimensions broadcast as in :func:`matmul`. PyTorch, where
+    the three have the same leading dimensions (at least one): one ``baddbmm`` of the flattened
+    batch, which writes the sum once instead of the product and then the sum (a block's
+    read-out, ``(2, 4, 16, 64, 64)``, one thread: 0.7x the time of the matmul and the
+    addition), ``alpha`` its own argument. Elsewhere ``alpha`` scales the smaller of ``a`` and
+    the product.
 
     ``fresh``: ``c`` is a temporary of the caller's that nothing else reads (the result of an
     operation whose backward does not keep it): PyTorch then adds the product into it in place
@@ -260,10 +264,14 @@ def add_matmul(xp: Any, c: Any, a: Any, b: Any, *, fresh: bool = False) -> Any:
         # A strided temporary (a permuted product of grouped heads) is left to baddbmm: written
         # in place, its strided rows measured slower (Mamba-2's scan 1.12x on two threads).
         if fresh and c.is_contiguous() and not torch_transforming(c):
-            return flat[0].baddbmm_(*flat[1:]).reshape(*lead, m, n)
-        total = torch_module().baddbmm(*flat)
+            return flat[0].baddbmm_(*flat[1:], alpha=alpha).reshape(*lead, m, n)
+        total = torch_module().baddbmm(*flat, alpha=alpha)
         return total.reshape(*lead, m, n)
-    return c + matmul(xp, a, b)
+    if alpha == 1.0:
+        return c + matmul(xp, a, b)
+    if a.shape[-1] <= b.shape[-1]:  # a (m, k) is no larger than the product (m, n)
+        return c + matmul(xp, a * alpha, b)
+    return c + matmul(xp, a, b) * alpha
 
 
 def unit_lower_solver(xp: Any, x: Any) -> Callable[[Any], Any] | None:

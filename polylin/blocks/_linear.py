@@ -46,6 +46,8 @@ class Plan(NamedTuple):
     num_convs: int
     method: str
     chunk_size: int
+    #: Multiplies the queries (:func:`polylin.causal_linear_attention`'s ``scale``).
+    scale: float = 1.0
 
 
 def check_implied(block: str, given: Mapping[str, Any], implied: Mapping[str, Any]) -> None:
@@ -179,7 +181,7 @@ def run_sequence(
     o, state = causal_linear_attention(
         q, k, v, identity, method=plan.method, chunk_size=plan.chunk_size,
         initial_state=_grouped_state(xp, cache, plan.shared), return_state=True,
-        attention_mask=mask, seq_axis=1, log_decay=g, normalize=False,
+        attention_mask=mask, seq_axis=1, log_decay=g, normalize=False, scale=plan.scale,
     )  # fmt: skip
     y = output(o, rest)
     if mask is not None:
@@ -210,7 +212,7 @@ def run_token(
     )
     o, state = attention_step(
         q, k, v, _grouped_state(xp, cache, plan.shared), identity, attention_mask=mask,
-        log_decay=g, normalize=False,
+        log_decay=g, normalize=False, scale=plan.scale,
     )  # fmt: skip
     y = output(o, rest)
     if mask is not None:

@@ -128,7 +128,7 @@ def _sizes(params: Mapping[str, Any], options: dict[str, Any]) -> _Sizes:
     check_implied(BLOCK, {**options, "fuse_norm": fuse_norm}, implied)
     plan = Plan(
         BLOCK, hidden, num_heads, num_heads // groups, 3 if use_short_conv else 0,
-        own["method"], own["chunk_size"],
+        own["method"], own["chunk_size"], (key_dim // num_heads) ** -0.5,
     )  # fmt: skip
     return _Sizes(
         plan, num_heads // groups, groups, key_dim // num_heads, value_dim // num_heads,
@@ -165,7 +165,6 @@ def _inputs(
     g = xp.reshape(g, (*lead, kv_heads, 1, dk))
     if sizes.feature_map is not None:
         q, k = sizes.feature_map(q), sizes.feature_map(k)
-    q = q * dk**-0.5
     return [q, k, v, xp.astype(g, q.dtype, copy=False)], x, states
 
 

@@ -225,7 +225,13 @@ def _merged(xp: Any, M: Any | None, kind: str, corner: Any, pairs: int) -> Any:
 
 
 def intra_chunk(
-    xp: Any, K: Any, G: Any | None, rows: Sequence[tuple[Any, Any]], *, relative: bool = False
+    xp: Any,
+    K: Any,
+    G: Any | None,
+    rows: Sequence[tuple[Any, Any]],
+    *,
+    relative: bool = False,
+    row_scale: float = 1.0,
 ) -> IntraChunk:
     """The decayed intra-chunk matrices of several row sets against the keys ``K``, and the
     factors that carry the state across the chunk (module docstring).
@@ -252,6 +258,11 @@ def intra_chunk(
     The levels count from the chunks' starts (``entry`` ``None``; ones where the choice is
     made inside a compiled program).
 
+    ``row_scale`` multiplies the decayed rows (not the matrices): a query scale that the
+    factored scores fold into the rows' decay from the chunk start, a small array (GLA's
+    forward at ggml's shape 0.95-0.96x the time of scaling the queries first); one more pass
+    over the rows otherwise.
+
     Each level costs one batched matmul per row set and key set and ``O(d)`` products per
     token per row set and key set for a per-channel gate (``O(h)`` per token for a scalar
     one); the 1 x 1 corners of the first level are row sums (a tiny batched matmul's backward
@@ -261,9 +272,13 @@ def intra_chunk(
     key_sets = list(K) if several else [K]
     kinds = [list(kind) if several else [kind] for _, kind in rows]  # per row set, per key set
     reads = [row_kinds[0] in _READS for row_kinds in kinds]
-    parts = _factored(xp, key_sets, G, rows, kinds, reads, relative=relative)
-    matrices, decayed, keys, whole, entry = parts or (
-        *_levels(xp, key_sets, G, rows, kinds, reads), None)
+    parts = _factored(xp, key_sets, G, rows, kinds, reads, relative=relative, row_scale=row_scale)
+    if parts is None:
+        matrices, decayed, keys, whole = _levels(xp, key_sets, G, rows, kinds, reads)
+        if row_scale != 1.0:
+            decayed = [R * row_scale for R in decayed]
+        parts = matrices, decayed, keys, whole, None
+    matrices, decayed, keys, whole, entry = parts
     if several:
         return IntraChunk(matrices, decayed, keys, whole, entry)
     return IntraChunk([M for (M,) in matrices], decayed, keys[0], whole, entry)
@@ -371,7 +386,7 @@ def _levels(
 
 def _factored(
     xp: Any, key_sets: list[Any], G: Any | None, rows: Sequence[tuple[Any, Any]],
-    kinds: list[list[str]], reads: list[bool], *, relative: bool = False,
+    kinds: list[list[str]], reads: list[bool], *, relative: bool = False, row_scale: float = 1.0,
 ) -> _Referenced | None:
     """:func:`intra_chunk`'s matrices, rows, keys and whole-chunk decay for a per-channel gate
     factored over the chunk through its middle token; ``None`` where that does not apply
@@ -393,17 +408,21 @@ def _factored(
     if in_program:
 
         def levels() -> _Referenced:
-            parts = _levels(xp, key_sets, G, rows, kinds, reads)
-            return (*parts, xp.ones_like(parts[3][..., :1, :, :]) if relative else None)
+            matrices, decayed, keys, whole = _levels(xp, key_sets, G, rows, kinds, reads)
+            if row_scale != 1.0:
+                decayed = [R * row_scale for R in decayed]
+            entry = xp.ones_like(whole[..., :1, :, :]) if relative else None
+            return matrices, decayed, keys, whole, entry
 
         return branch(
             bounded,
-            lambda: _through_middle(xp, key_sets, outward, rows, kinds, reads, relative),
+            lambda: _through_middle(
+                xp, key_sets, outward, rows, kinds, reads, relative, row_scale),
             levels,
         )
     if not bool(bounded):
         return None
-    return _through_middle(xp, key_sets, outward, rows, kinds, reads, relative)
+    return _through_middle(xp, key_sets, outward, rows, kinds, reads, relative, row_scale)
 
 
 def _outward_sums(xp: Any, G: Any) -> Any:
@@ -439,22 +458,27 @@ def _outward_sums(xp: Any, G: Any) -> Any:
 
 def _through_middle(
     xp: Any, key_sets: list[Any], outward: Any, rows: Sequence[tuple[Any, Any]],
-    kinds: list[list[str]], reads: list[bool], relative: bool,
+    kinds: list[list[str]], reads: list[bool], relative: bool, row_scale: float,
 ) -> _Referenced:
     """:func:`_factored`'s construction from the gate's running sums outward from the middle
     token m, ``e_{t-1}`` for ``t = 0..C`` (:func:`_outward_sums`); ``relative``: counted from
-    the middle tokens (:func:`intra_chunk`)."""
+    the middle tokens; ``row_scale``: the decayed rows' scale (:func:`intra_chunk`)."""
     grows = xp.exp(outward)  # exp(e_{t-1}), t = 0..C
     inverse = reciprocal(xp, grows)  # exp(-e_{t-1}); the first row exp(b_m) (within exp(16))
     shrinks, to_start = inverse[..., 1:, :], inverse[..., :1, :]  # exp(-e), exp(b_m)
     to_end = grows[..., -1:, :]  # exp(B - b_m)
     solve = unit_lower_solver(xp, outward)  # PyTorch, XLA under jit: a batched triangular solve
     met = [shrinks * key for key in key_sets]  # k_s exp(-e_s)
+    # The rows' scale joins their one factor per chunk (exp(b_m)), a small array.
+    row_start = to_start if row_scale == 1.0 else to_start * row_scale
     matrices, decayed = [], []
     for (R, _), row_kinds, read in zip(rows, kinds, reads):
         meeting = (grows[..., :-1, :] if read else grows[..., 1:, :]) * R  # a read: to t excl.
         # r_t exp(b_t) (a read: exp(b_t - g_t)); relative: r_t exp(e_t), from the middle
-        decayed.append(meeting if relative else meeting * to_start)
+        if relative:
+            decayed.append(meeting if row_scale == 1.0 else meeting * row_scale)
+        else:
+            decayed.append(meeting * row_start)
         row_matrices = []
         for key, kind in zip(met, row_kinds):
             M = matmul(xp, meeting, xp.matrix_transpose(key))

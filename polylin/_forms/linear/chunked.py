@@ -128,6 +128,7 @@ def causal_chunked(
     chunk_size: int,
     eps: float,
     normalize: bool = True,
+    scale: float = 1.0,
 ) -> tuple[Any, Any, Any]:
     """Causal linear attention in chunks of ``chunk_size`` tokens, from the state ``(S, z)``.
 
@@ -137,6 +138,7 @@ def causal_chunked(
     already zero at masked tokens) broadcast against the leading dimensions, as ``q``, ``k``
     and ``v`` do against each other (grouped heads); ``S`` and ``z`` have the broadcast ones.
     Each input keeps its own leading dimensions throughout: nothing is copied per group.
+    ``scale`` multiplies the mapped queries; a gate folds it into its factors (:func:`_block`).
     """
     T, d_v = v.shape[-2:]
     batch = S.shape[:-2]  # the broadcast leading dimensions of q, k and v
@@ -183,7 +185,7 @@ def causal_chunked(
                 decay_b = dense(xp, decay_b)
             out, state, norm = _block(
                 xp, fq, fk, v_b, decay_b, state, norm, causal, eps=eps, normalize=normalize,
-                chained=eager,
+                chained=eager, scale=scale,
             )  # fmt: skip
             outputs.append(out)
         out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
@@ -191,10 +193,15 @@ def causal_chunked(
 
     if log_decay is None or channels:
         return per_head()
+
+    def scaled(q: Any, k: Any, keep: Any) -> tuple[Any, Any]:
+        fq, fk = features(q, k, keep)
+        return (fq if scale == 1.0 else fq * scale), fk
+
     # A per-head scalar gate on queries and keys shared by the heads: the heads as columns
     # where that applies (_forms/linear/grouped.py), else per head.
     return grouped_chunked(
-        xp, features, q, k, v, S, z[..., 0], mask=mask, log_decay=log_decay, chunk=chunk,
+        xp, scaled, q, k, v, S, z[..., 0], mask=mask, log_decay=log_decay, chunk=chunk,
         eps=eps, normalize=normalize, otherwise=per_head,
     )
 
@@ -212,9 +219,15 @@ def _block(
     eps: float,
     normalize: bool,
     chained: bool,
+    scale: float,
 ) -> tuple[Any, Any, Any]:
     """Outputs of one block of tokens and the state ``(S, z)`` after it (``z``: ``(..., d_phi,
     1)``, a column carried like those of ``S``).
+
+    ``scale`` multiplies the queries: a gate folds it into the queries' decay factors (a scalar
+    gate's ``(..., C, 1)``, a per-channel one's factor per chunk) and adds the scores' product
+    scaled (one ``baddbmm``), so that no pass over the queries is made for it; without a gate
+    the queries are scaled.
 
     ``fq``, ``fk``, ``v`` and ``log_decay`` keep their own leading dimensions, which broadcast.
     The normalizer column is computed only when ``normalize``; numerator and normalizer are
@@ -234,8 +247,10 @@ def _block(
         log_decay = rows_in_whole_chunks(log_decay, chunk)
     Q, K, V = (xp.reshape(x, (*x.shape[:-2], n_chunks, chunk, x.shape[-1])) for x in (fq, fk, v))
     weights = None  # per-token factors of the rows of Q S (a gate of grouped heads)
+    score_scale = 1.0  # the part of ``scale`` not in the scores: added with their product
     if log_decay is None:
         decay = None
+        Q = Q if scale == 1.0 else Q * scale
         increments = _increments(xp, K, V)
         queries = Q
         scores = keep_lower(xp, matmul(xp, Q, xp.matrix_transpose(K)), causal, fresh=True)
@@ -246,7 +261,7 @@ def _block(
             before = cumulative_sum(xp, G, axis=-2)  # b_t: from the chunk start to t, inclusive
             after = sum_after(xp, G)  # B - b_s: from s (exclusive) to the chunk end
             total = xp.sum(G, axis=-2, keepdims=True)  # B: the whole chunk
-            scores = scalar_gate_scores(xp, Q, K, G, causal)
+            scores, score_scale = scalar_gate_scores(xp, Q, K, G, causal), scale
             # A gate of grouped heads has the groups' axis: there Q * exp(b) and K * exp(B - b)
             # would copy the queries and keys per group, so the scalar per token scales the
             # rows of Q S and of V instead (the same products; where the gate widens nothing,
@@ -256,22 +271,26 @@ def _block(
                 increments = _increments(xp, K, V, weights=xp.exp(after))
             else:
                 increments = _increments(xp, K * xp.exp(after), V)
+            factor = xp.exp(before) if scale == 1.0 else xp.exp(before) * scale
             if widens(Q, before):
-                queries, weights = Q, xp.exp(before)
+                queries, weights = Q, factor
             else:
-                queries = Q * xp.exp(before)
+                queries = Q * factor
         else:
-            scores, queries, keys, chunk_decay = _channel_gate(xp, Q, K, G)
+            scores, queries, keys, chunk_decay = _channel_gate(xp, Q, K, G, scale)
+            score_scale = scale
             decay = xp.matrix_transpose(chunk_decay)  # (..., n, d_phi, 1): scales state rows
             increments = _increments(xp, keys, V)
     states, S = chunk_prefix(xp, increments[0], decay, S, chained=chained)
     z_states, z = chunk_prefix(xp, increments[1], decay, z, chained=chained)
-    out = add_matmul(xp, _from_states(xp, queries, states, weights), scores, V, fresh=True)
+    out = _from_states(xp, queries, states, weights)
+    out = add_matmul(xp, out, scores, V, fresh=True, alpha=score_scale)
     out = _rows(xp, out, padded, length)
     if not normalize:
         return out, S, z
-    normalizer = _from_states(xp, queries, z_states, weights)
-    normalizer = normalizer + xp.sum(scores, axis=-1, keepdims=True)
+    row_sums = xp.sum(scores, axis=-1, keepdims=True)
+    row_sums = row_sums if score_scale == 1.0 else row_sums * score_scale
+    normalizer = _from_states(xp, queries, z_states, weights) + row_sums
     return out / (_rows(xp, normalizer, padded, length) + eps), S, z
 
 
@@ -299,14 +318,16 @@ def _increments(xp: Any, K: Any, V: Any, *, weights: Any | None = None) -> tuple
     return matmul(xp, Kt, V * weights), matmul(xp, Kt, weights)
 
 
-def _channel_gate(xp: Any, Q: Any, K: Any, G: Any) -> tuple[Any, Any, Any, Any]:
+def _channel_gate(
+    xp: Any, Q: Any, K: Any, G: Any, scale: float = 1.0
+) -> tuple[Any, Any, Any, Any]:
     """Intra-chunk scores and decayed queries and keys for a gate per channel (``G``'s width).
 
-    Returns ``(A, Q * exp(b), K * exp(B - b), exp(B))``: the scores
+    Returns ``(A, scale * Q * exp(b), K * exp(B - b), exp(B))``: the (unscaled) scores
     ``A_ts = sum_c q_tc k_sc exp(sum_{s<r<=t} g_rc)`` for ``s <= t`` (0 above the diagonal),
     ``(..., n, C, C)``, and the factors that carry the state across chunks (module docstring),
     built level by level, or for a bounded gate factored through each chunk's middle token, by
     :func:`polylin._forms.common.intra_chunk.intra_chunk`. C is a power of two.
     """
-    blocks = intra_chunk(xp, K, G, [(Q, SCORES)])
+    blocks = intra_chunk(xp, K, G, [(Q, SCORES)], row_scale=scale)
     return blocks.matrices[0], blocks.rows[0], blocks.keys, blocks.whole

@@ -19,7 +19,6 @@ from ...interop import array_namespace, check_floating, is_array, is_real_number
 
 __all__ = [
     "FlaHeads",
-    "ScaledQuery",
     "check_inputs",
     "common_dtype",
     "default_scale",
@@ -191,23 +190,6 @@ def in_common_dtype(xp: Any, *arrays: Any) -> tuple[Any, list[Any]]:
     """The :func:`common_dtype` of ``arrays`` and the arrays cast to it (``None`` kept)."""
     dtype = common_dtype(xp, *arrays)
     return dtype, [xp.astype(x, dtype) if is_array(x) and x.dtype != dtype else x for x in arrays]
-
-
-class ScaledQuery:
-    """fla's linear-attention ops have no feature map; ``scale`` multiplies the queries.
-
-    An identity feature map whose ``map_query`` applies the scale (polylin's hook for a
-    per-query map, :func:`polylin.causal_linear_attention`).
-    """
-
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
-
-    def __call__(self, x: Any) -> Any:
-        return x
-
-    def map_query(self, x: Any) -> Any:
-        return x * self.scale
 
 
 class FlaHeads(NamedTuple):

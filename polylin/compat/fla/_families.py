@@ -14,10 +14,10 @@ from ... import DEFAULT_DPLR_CHUNK_SIZE, LinearAttentionState
 from ...attention import causal_linear_attention
 from ...delta_rule import delta_rule_attention
 from ...dplr import dplr_delta_rule
+from ...feature_maps import identity
 from ...interop import Array, array_namespace, check_static, device
 from ._args import (
     FlaHeads,
-    ScaledQuery,
     default_scale,
     in_common_dtype,
     offsets_of,
@@ -108,7 +108,7 @@ def linear_family(
         heads.query_key(q),
         heads.query_key(k),
         heads.per_value_head(v, "v"),
-        ScaledQuery(default_scale(scale, k.shape[-1])),
+        identity,
         method=method,
         chunk_size=chunk_size,
         eps=FLA_NORMALIZER_EPS,
@@ -118,6 +118,7 @@ def linear_family(
         seq_axis=heads.seq_axis,
         log_decay=heads.per_value_head(log_decay, "g", channels=True),
         normalize=normalize,
+        scale=default_scale(scale, k.shape[-1]),
     )
     o = heads.output(o)
     S_out = heads.state_out(final.S, v_first=state_v_first) if output_final_state else None
