@@ -260,7 +260,7 @@ def intra_chunk(
 
     ``row_scale`` multiplies the decayed rows (not the matrices): a query scale that the
     factored scores fold into the rows' decay from the chunk start, a small array (GLA's
-    forward at ggml's shape 0.95-0.96x the time of scaling the queries first); one more pass
+    forward at ggml's shape 0.93-0.97x the time of scaling the queries first); one more pass
     over the rows otherwise.
 
     Each level costs one batched matmul per row set and key set and ``O(d)`` products per
