@@ -12,10 +12,12 @@ libraries load, give both their 512-bit kernels:
   Intel's;
 - OpenBLAS: ``OPENBLAS_CORETYPE=SkylakeX``, OpenBLAS's own variable.
 
-:data:`PATHS` names the two regimes a benchmark's worker processes can start in (``None``: as
-the shell has it); ``avx512``
-needs a processor with AVX-512 (elsewhere a 512-bit kernel stops the process on an illegal
-instruction) and a C compiler (``cc``) to build the library, once, into a cache folder.
+:data:`PATHS` names the regimes a benchmark's worker processes can start in (``None``: as the
+shell has it): ``avx512`` both settings, which needs a processor with AVX-512 (elsewhere a
+512-bit kernel stops the process on an illegal instruction); ``intel`` MKL's path for Intel's
+processors alone (OpenBLAS's own choice), for any x86 processor: on an AMD Zen 3 (AVX2, no
+AVX-512) it gives MKL's AVX2 kernels in place of its AMD path's. Both need a C compiler (``cc``)
+to build the library, once, into a cache folder.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ __all__ = [
 ]
 
 #: ``default``: each library's own choice; ``avx512``: MKL's path for Intel's processors and
-#: OpenBLAS's SkylakeX kernels.
-PATHS = ("default", "avx512")
+#: OpenBLAS's SkylakeX kernels; ``intel``: MKL's path for Intel's processors alone.
+PATHS = ("default", "avx512", "intel")
 
 #: The C source of the preloaded library.
 SOURCE = Path(__file__).resolve().with_name("mkl_intel_path.c")
@@ -80,9 +82,9 @@ def prepare(path: str | None, cache: Path) -> Path | None:
     """The library the regime ``path`` preloads (built into ``cache``), ``None`` for
     ``default`` and ``None``. Raises ``RuntimeError`` where this processor or system cannot run
     it."""
-    if path != "avx512":
+    if path not in ("avx512", "intel"):
         return None
-    if not has_avx512():
+    if path == "avx512" and not has_avx512():
         raise RuntimeError("this processor has no AVX-512")
     return build_library(cache)
 
@@ -92,8 +94,9 @@ def environment(
 ) -> dict[str, str]:
     """A copy of ``env`` for the regime ``path`` of :data:`PATHS` (``None``: as it is):
     OpenBLAS's core type and this library (by its file name) dropped from it, then for
-    ``avx512`` ``library`` (:func:`build_library`) preloaded first and OpenBLAS's core type
-    set. Other preloaded libraries (another allocator) are kept."""
+    ``avx512`` and ``intel`` ``library`` (:func:`build_library`) preloaded first, for
+    ``avx512`` OpenBLAS's core type set. Other preloaded libraries (another allocator) are
+    kept."""
     if path is None:
         return dict(env)
     if path not in PATHS:
@@ -101,10 +104,11 @@ def environment(
     dropped = ("LD_PRELOAD", "OPENBLAS_CORETYPE")
     out = {name: value for name, value in env.items() if name not in dropped}
     preload = [p for p in env.get("LD_PRELOAD", "").split() if Path(p).name != LIBRARY]
-    if path == "avx512":
+    if path in ("avx512", "intel"):
         if library is None:
-            raise ValueError("the avx512 path needs the library (build_library)")
+            raise ValueError(f"the {path} path needs the library (build_library)")
         preload.insert(0, str(library))
+    if path == "avx512":
         out["OPENBLAS_CORETYPE"] = OPENBLAS_CORETYPE
     if preload:
         out["LD_PRELOAD"] = " ".join(preload)
@@ -114,7 +118,7 @@ def environment(
 def regime(path: str | None, library: Path | None = None) -> dict[str, str]:
     """For a report: the regime's name (``inherited`` for ``None``) and the variables that
     choose the libraries' kernels in its environment (this process's, with ``library`` for
-    ``avx512``)."""
+    ``avx512`` and ``intel``)."""
     env = environment(path, dict(os.environ), library)
     named = ("LD_PRELOAD", "OPENBLAS_CORETYPE", "MKL_ENABLE_INSTRUCTIONS")
     return {"name": path or "inherited", **{n: env[n] for n in named if n in env}}

@@ -1,7 +1,7 @@
 """polylin against llama.cpp's ggml CPU kernels, on the same shapes: prefill and decode.
 
     python benchmarks/ggml_ops.py [--threads 1 2] [--repeats 7] [--json PATH] [--cache DIR]
-                                  [--allocator default|glibc|resident] [--blas default|avx512]
+                                  [--allocator default|glibc|resident] [--blas default|avx512|intel]
                                   [--skip-ggml] [--build-only] [--quick]
 
 Builds ggml's ``test-backend-ops`` from the llama.cpp vendored in the pinned llama-cpp-python
@@ -23,7 +23,8 @@ polylin's time over ggml's in each pass, per op, shape and thread count.
 
 ``--allocator`` starts polylin's workers in a regime of glibc's (``benchmarks/timing.py``,
 ``ALLOCATORS``; else this shell's); each row records their page faults per timed call.
-``--blas avx512`` gives them the products' 512-bit kernels on AMD (``blas_path.py``).
+``--blas avx512`` gives them the products' 512-bit kernels on AMD, ``--blas intel`` MKL's
+kernels for Intel's processors on any (``blas_path.py``).
 
 Where cmake or a C++ compiler is missing the ggml side is skipped with a message (exit 0); the
 polylin side still runs (its checks included). Absolute times on a shared machine are noise:

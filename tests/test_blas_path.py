@@ -32,9 +32,10 @@ def test_has_avx512_reads_the_processors_flags(tmp_path, text, want):
 
 
 def test_environment_sets_each_path_and_keeps_the_rest(tmp_path):
-    """``avx512`` preloads the library first and sets OpenBLAS's core type; ``default`` drops
-    both (the library by its file name); another preloaded library and everything else stay;
-    ``None`` keeps the environment as it is; the mapping given is not modified."""
+    """``avx512`` preloads the library first and sets OpenBLAS's core type; ``intel`` preloads
+    it and leaves OpenBLAS its choice; ``default`` drops both (the library by its file name);
+    another preloaded library and everything else stay; ``None`` keeps the environment as it
+    is; the mapping given is not modified."""
     library = tmp_path / blas_path.LIBRARY
     given = {"PATH": "/bin", "LD_PRELOAD": "/lib/libtcmalloc.so", "OPENBLAS_CORETYPE": "Zen"}
     before = dict(given)
@@ -42,6 +43,9 @@ def test_environment_sets_each_path_and_keeps_the_rest(tmp_path):
         "PATH": "/bin", "LD_PRELOAD": f"{library} /lib/libtcmalloc.so",
         "OPENBLAS_CORETYPE": "SkylakeX",
     }  # fmt: skip
+    assert blas_path.environment("intel", given, library) == {
+        "PATH": "/bin", "LD_PRELOAD": f"{library} /lib/libtcmalloc.so"
+    }
     assert blas_path.environment("default", given) == {
         "PATH": "/bin", "LD_PRELOAD": "/lib/libtcmalloc.so"
     }
@@ -52,8 +56,9 @@ def test_environment_sets_each_path_and_keeps_the_rest(tmp_path):
     assert given == before
     with pytest.raises(ValueError, match="path must be one of"):
         blas_path.environment("fast", given)
-    with pytest.raises(ValueError, match="needs the library"):
-        blas_path.environment("avx512", given)
+    for path in ("avx512", "intel"):
+        with pytest.raises(ValueError, match=f"the {path} path needs the library"):
+            blas_path.environment(path, given)
 
 
 @needs_compiler
@@ -85,6 +90,13 @@ def test_prepare_builds_only_for_avx512_and_only_where_the_processor_has_it(
     assert list(tmp_path.iterdir()) == []
 
 
+@needs_compiler
+def test_prepare_builds_for_intel_without_avx512(tmp_path, monkeypatch):
+    """MKL's Intel path alone runs on any x86 processor: no AVX-512 asked."""
+    monkeypatch.setattr(blas_path, "has_avx512", lambda: False)
+    assert blas_path.prepare("intel", tmp_path) == tmp_path / blas_path.LIBRARY
+
+
 def test_ggml_ops_refuses_avx512_without_it(monkeypatch, capsys):
     pytest.importorskip("torch")
     from benchmarks import ggml_ops
@@ -96,14 +108,16 @@ def test_ggml_ops_refuses_avx512_without_it(monkeypatch, capsys):
 
 
 @needs_compiler
-def test_ggml_ops_workers_start_on_the_avx512_path(tmp_path, monkeypatch):
+@pytest.mark.parametrize("path", ["avx512", "intel"])
+def test_ggml_ops_workers_start_on_the_path(tmp_path, monkeypatch, path):
     """``--blas avx512``: the worker's environment preloads the library and sets OpenBLAS's
-    core type, the report's meta names both, and polylin's calls pass ggml's check. (On a
-    processor without AVX-512 the worker itself runs on the default path.)"""
+    core type (``intel``: the library alone), the report's meta names them, and polylin's calls
+    pass ggml's check. (On a processor without AVX-512 the ``avx512`` worker itself runs on
+    the default path.)"""
     pytest.importorskip("torch")
     from benchmarks import ggml_ops
 
-    runs_here = blas_path.has_avx512()
+    runs_here = path == "intel" or blas_path.has_avx512()
     started, real = [], subprocess.Popen
 
     def popen(command, *args, **kwargs):  # subprocess's own: the library's build too
@@ -119,14 +133,13 @@ def test_ggml_ops_workers_start_on_the_avx512_path(tmp_path, monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     report = ggml_ops.main([
         "--quick", "--skip-ggml", "--passes", "1", "--threads", "1", "--repeats", "1",
-        "--backends", "torch", "numpy", "--only", "SSM_SCAN", "--blas", "avx512",
+        "--backends", "torch", "numpy", "--only", "SSM_SCAN", "--blas", path,
         "--cache", str(tmp_path),
     ])  # fmt: skip
     library = str(tmp_path / blas_path.LIBRARY)
-    assert [(env["LD_PRELOAD"], env["OPENBLAS_CORETYPE"]) for env in started] == [
-        (library, "SkylakeX")
+    coretype = {"avx512": {"OPENBLAS_CORETYPE": "SkylakeX"}, "intel": {}}[path]
+    assert [(env["LD_PRELOAD"], env.get("OPENBLAS_CORETYPE")) for env in started] == [
+        (library, coretype.get("OPENBLAS_CORETYPE"))
     ]
-    assert report["meta"]["blas"] == {
-        "name": "avx512", "LD_PRELOAD": library, "OPENBLAS_CORETYPE": "SkylakeX"
-    }
+    assert report["meta"]["blas"] == {"name": path, "LD_PRELOAD": library, **coretype}
     assert report["rows"] and all(r["error"] <= ggml_ops.TOLERANCE for r in report["rows"])
