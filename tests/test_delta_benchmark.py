@@ -51,8 +51,9 @@ def test_block_sizes_run_small():
     from benchmarks import blocks
 
     for kind in ("forward", "fwd+bwd"):
-        timed = blocks.child(1, 64, kind, 128, d=8, calls=1)
-        assert timed["ms"] > 0 and timed["sys_ms"] >= 0
+        for form in ("gdn", "gla"):
+            timed = blocks.child(1, 64, kind, 128, d=8, calls=1, form=form)
+            assert timed["ms"] > 0 and timed["sys_ms"] >= 0
 
 
 def test_peak_memory_runs_small():
