@@ -28,7 +28,7 @@ $(VENV)/.demo-stamp: pyproject.toml backends/torch-cpu-constraints.txt | $(VENV)
 
 $(VENV)/.test-stamp: pyproject.toml backends/torch-cpu-constraints.txt | $(VENV)/bin/python
 	@echo "installing polylin with every CPU backend, test and docs tools into $(VENV) (a few minutes the first time)"
-	$(PIP) install -qq $(CONSTRAINTS) -e ".[numpy,torch,strict,jax,flax,dask,cupy,test,docs,bench,hf]"
+	$(PIP) install -qq $(CONSTRAINTS) -e ".[numpy,torch,strict,jax,flax,dask,cupy,compiled,test,docs,bench,hf]"
 	touch $@
 
 venv: $(VENV)/.test-stamp

@@ -76,6 +76,7 @@ from polylin import (  # noqa: E402
     prepare_dplr_step,
     prepare_step,
 )
+from polylin._backend.compiled import compiled_available  # noqa: E402
 from polylin.activations import softplus  # noqa: E402
 from polylin.feature_maps import identity  # noqa: E402
 from polylin.testing import Backend  # noqa: E402
@@ -421,6 +422,14 @@ def reference(case: Case, x: dict[str, np.ndarray]) -> np.ndarray:
 DELTA_CHUNK = 32
 
 
+def token_loop(backend: Backend) -> bool:
+    """Whether RWKV-7's prefill runs its recurrent form, polylin's compiled token loop
+    (``polylin._backend.compiled``: Numba installed, NumPy or PyTorch): at ggml's shape it took
+    0.62-0.87x the time of the chunked form on one thread (a Zen 3 core, ``docs/performance.md``,
+    "Compiled token loops"); the other ops keep their chunked forms (0.95-1.37x)."""
+    return compiled_available() and backend in (Backend.NUMPY, Backend.TORCH)
+
+
 def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[], Any]:
     """polylin's fastest call for ``case`` on arrays ``x`` of ``backend`` (float32); it
     returns what polylin returns, the final state included (:func:`output` picks the output).
@@ -448,9 +457,10 @@ def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[]
             step = prepare_dplr_step()
             return lambda: step(*(token[n] for n in ("q", "k", "v", "a", "b")), x["S"],
                                 log_decay=token["g"])  # fmt: skip
+        method = "recurrent" if token_loop(backend) else "chunked"
         return lambda: dplr_delta_rule(
             x["q"], x["k"], x["v"], x["a"], x["b"], log_decay=x["g"], initial_state=x["S"],
-            return_state=True, seq_axis=1)  # fmt: skip
+            return_state=True, seq_axis=1, method=method)  # fmt: skip
     state = LinearAttentionState(x["S"], xp.zeros(x["S"].shape[:-1], dtype=x["S"].dtype))
     if case.family == "gla":
         scale = case.size("d") ** -0.5

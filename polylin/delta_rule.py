@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+from ._backend.compiled import compiled_tokens
 from ._backend.fused import fused_delta_step, fused_step_rows
 from ._backend.namespace import is_array
 from ._backend.ops import l2_normalize
@@ -406,8 +407,8 @@ def _run_step(
     if plan.qk_l2norm:
         q, k = l2_normalize(xp, q), l2_normalize(xp, k)
     decay, S0 = step_decay(plan, log_decay), step_state(plan, state)
-    fused = None
-    if plan.fused_rows is not None:  # PyTorch, one state per token row: found by the plan
+    fused = compiled_tokens("delta", [q, k, v, beta], decay, S0, step=True)  # NumPy, torch CPU
+    if fused is None and plan.fused_rows is not None:  # PyTorch, a state per token row
         fused = fused_delta_step(q, k, v, beta, decay, S0, rows=plan.fused_rows)
     o_t, S = delta_step(xp, q, k, v, beta, decay, S0) if fused is None else fused
     if plan.scale != 1.0:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+from ._backend.compiled import compiled_tokens
 from ._backend.fused import fused_dplr_step, fused_step_rows
 from ._backend.namespace import is_array
 from ._forms.dplr.chunked import dplr_chunked
@@ -374,8 +375,8 @@ def _run_step(
     if plan.scale != 1.0:
         q = q * plan.scale
     decay, S0 = step_decay(plan, log_decay), step_state(plan, state)
-    fused = None
-    if plan.fused_rows is not None:  # PyTorch, one state per token row: found by the plan
+    fused = compiled_tokens("dplr", [q, k, v, a, b], decay, S0, step=True)  # NumPy, torch CPU
+    if fused is None and plan.fused_rows is not None:  # PyTorch, a state per token row
         fused = fused_dplr_step(q, k, v, a, b, decay, S0, rows=plan.fused_rows)
     o_t, S = dplr_step(inputs.xp, q, k, v, a, b, decay, S0) if fused is None else fused
     return finish(inputs, o_t, None), S

@@ -23,6 +23,7 @@ __all__ = [
     "is_numpy_array",
     "is_tracer",
     "library_name",
+    "loaded_numpy",
     "loaded_torch",
     "resolve_torch_namespace",
     "torch_module",
@@ -113,6 +114,11 @@ def is_array(x: Any) -> bool:
     if x is None or type(x) in (bool, int, float, complex, str):
         return False
     return torch_namespace_of(x) is not None or array_api_compat.is_array_api_obj(x)
+
+
+def loaded_numpy() -> Any | None:
+    """The numpy module if it is imported, else ``None`` (never imports it)."""
+    return sys.modules.get("numpy")
 
 
 def is_numpy_array(x: Any) -> bool:

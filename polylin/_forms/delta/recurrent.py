@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._backend.compiled import compiled_tokens
 from ..._backend.fused import fused_delta_step
 from ..._backend.ops import add_outer, unstack, vector_times_matrix
 
@@ -24,9 +25,11 @@ def delta_step(
     (``exp(g_t)``, not its log; ``None`` for no decay) ``(..., 1 or d_k)``, ``S`` is
     ``(..., d_k, d_v)``.
     """
-    fused = fused_delta_step(q, k, v, beta, decay, S)  # PyTorch, one state per token row
-    if fused is not None:
-        return fused
+    done = compiled_tokens("delta", [q, k, v, beta], decay, S, step=True)  # NumPy, torch CPU
+    if done is None:
+        done = fused_delta_step(q, k, v, beta, decay, S)  # PyTorch, one state per token row
+    if done is not None:
+        return done
     if decay is not None:
         S = S * decay[..., None]
     prediction = vector_times_matrix(xp, k, S)  # what the state recalls for k_t
@@ -41,9 +44,13 @@ def delta_recurrent(
     T = q.shape[-2]
     if T == 0:
         return v[..., :0, :], S
+    decay = None if g is None else xp.exp(g)
+    done = compiled_tokens("delta", [q, k, v, beta], decay, S, step=False)  # one compiled loop
+    if done is not None:
+        return done
     # One unstack per input (a single op for autograd) rather than a slice per token.
     qs, ks, vs, bs = (unstack(xp, x, axis=-2) for x in (q, k, v, beta))
-    decays = [None] * T if g is None else unstack(xp, xp.exp(g), axis=-2)
+    decays = [None] * T if decay is None else unstack(xp, decay, axis=-2)
     outputs = []
     for t in range(T):
         o, S = delta_step(xp, qs[t], ks[t], vs[t], bs[t], decays[t], S)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._backend.compiled import compiled_tokens
 from ..._backend.fused import fused_dplr_step
 from ..._backend.ops import add_outer, unstack, vector_times_matrix
 
@@ -20,9 +21,11 @@ def dplr_step(
 ) -> tuple[Any, Any]:
     """One token: ``(o_t, S_t)``. ``q, k, a, b`` are ``(..., d_k)``, ``v`` ``(..., d_v)``,
     ``decay`` (``exp(g_t)``, not its log) ``(..., 1 or d_k)`` or ``None``, ``S`` the state."""
-    fused = fused_dplr_step(q, k, v, a, b, decay, S)  # PyTorch, one state per token row
-    if fused is not None:
-        return fused
+    done = compiled_tokens("dplr", [q, k, v, a, b], decay, S, step=True)  # NumPy, torch CPU
+    if done is None:
+        done = fused_dplr_step(q, k, v, a, b, decay, S)  # PyTorch, one state per token row
+    if done is not None:
+        return done
     read = vector_times_matrix(xp, a, S)  # a_t^T S_{t-1}, before the decay
     if decay is not None:
         S = S * decay[..., :, None]
@@ -37,9 +40,13 @@ def dplr_recurrent(
     T = q.shape[-2]
     if T == 0:
         return v[..., :0, :], S
+    decay = None if g is None else xp.exp(g)
+    done = compiled_tokens("dplr", [q, k, v, a, b], decay, S, step=False)  # one compiled loop
+    if done is not None:
+        return done
     # One unstack per input (a single op for autograd) rather than a slice per token.
     qs, ks, vs, as_, bs = (unstack(xp, x, axis=-2) for x in (q, k, v, a, b))
-    decays: list[Any] = [None] * T if g is None else list(unstack(xp, xp.exp(g), axis=-2))
+    decays: list[Any] = [None] * T if decay is None else list(unstack(xp, decay, axis=-2))
     outputs = []
     for t in range(T):
         o, S = dplr_step(xp, qs[t], ks[t], vs[t], as_[t], bs[t], decays[t], S)

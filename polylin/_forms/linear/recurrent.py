@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from ..._backend.compiled import compiled_tokens
 from ..._backend.execution import scan
 from ..._backend.fused import StepRows, fused_linear_step
 from ..._backend.ops import add_outer, unstack, vector_times_matrix
@@ -40,6 +41,10 @@ def recurrent_step(
     arrays where the fused PyTorch step applies (``_backend.fused.fused_step_rows``).
     """
     factor = None if log_decay is None else xp.exp(log_decay)
+    compiled = compiled_tokens("linear", [fq, fk, v], factor, S, z, step=True)  # NumPy, torch
+    if compiled is not None:
+        numerator, S, z, normalizer = compiled
+        return (numerator / (normalizer + eps) if normalize else numerator), S, z
     fused = fused_linear_step(fq, fk, v, factor, S, z, rows=rows)  # PyTorch, a state a row
     if fused is not None:
         numerator, S, z = fused
@@ -81,6 +86,11 @@ def causal_recurrent(
     T = fq.shape[-2]
     if T == 0:  # the broadcast leading dimensions (grouped heads) are the state's
         return xp.broadcast_to(v, (*S.shape[:-2], *v.shape[-2:])), S, z
+    factor = None if log_decay is None else xp.exp(log_decay)
+    compiled = None if scanned else compiled_tokens("linear", [fq, fk, v], factor, S, z, step=False)
+    if compiled is not None:  # one compiled loop
+        numerator, S, z, normalizer = compiled
+        return (numerator / (normalizer + eps) if normalize else numerator), S, z
     if scanned:
         step = partial(recurrent_step, xp, eps=eps, normalize=normalize)
         return _scan(xp, (fq, fk, v), (S, z), step, log_decay)

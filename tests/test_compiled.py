@@ -1,0 +1,206 @@
+"""The compiled CPU kernels (``polylin._backend.compiled``, Numba): the same numbers as the
+array-API forms they replace, on NumPy and PyTorch CPU, for steps and whole sequences, and
+the array-API forms wherever the kernels do not apply."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import polylin
+from polylin._backend import compiled
+
+pytest.importorskip("numba")
+torch = pytest.importorskip("torch")
+
+B, T, H, D = 2, 19, 3, 8
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The names of the kernels run, one per run."""
+    seen: list[str] = []
+    real = compiled.kernel
+
+    def counted(name: str) -> Any:
+        run = real(name)
+
+        def ran(*args: Any) -> None:
+            seen.append(name)
+            run(*args)
+
+        return None if run is None else ran
+
+    monkeypatch.setattr(compiled, "kernel", counted)
+    yield seen
+
+
+def _without_kernels(f: Callable[[], Any]) -> Any:
+    real = compiled.kernel
+    compiled.kernel = lambda name: None  # type: ignore[assignment]
+    try:
+        return f()
+    finally:
+        compiled.kernel = real  # type: ignore[assignment]
+
+
+def _leaves(x: Any) -> list[Any]:
+    if isinstance(x, (tuple, list)):
+        return [y for item in x for y in _leaves(item)]
+    return [x]
+
+
+def _numpy(x: Any) -> np.ndarray:
+    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def _inputs(library: str, dtype: str, gate: str, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    shapes = {"q": (B, T, H, D), "k": (B, T, H, D), "v": (B, T, H, D + 2),
+              "a": (B, T, H, D), "b": (B, T, H, D), "beta": (B, T, H, 1)}  # fmt: skip
+    x = {n: rng.standard_normal(s) / (2 if n in ("k", "a", "b") else 1) for n, s in shapes.items()}
+    x["beta"] = rng.random(shapes["beta"])
+    if gate != "none":
+        x["g"] = -rng.random((B, T, H, 1 if gate == "scalar" else D)) * 0.3
+    x["S"] = rng.standard_normal((B, H, D, D + 2))
+    x = {n: a.astype(dtype) for n, a in x.items()}
+    return {n: torch.from_numpy(a) for n, a in x.items()} if library == "torch" else x
+
+
+FAMILIES = {
+    "delta": lambda x, method: polylin.delta_rule_attention(
+        x["q"], x["k"], x["v"], x["beta"], log_decay=x.get("g"), initial_state=x["S"],
+        method=method, seq_axis=1, return_state=True),
+    "dplr": lambda x, method: polylin.dplr_delta_rule(
+        x["q"], x["k"], x["v"], x["a"], x["b"], log_decay=x.get("g"), initial_state=x["S"],
+        method=method, seq_axis=1, return_state=True),
+    "linear": lambda x, method: polylin.causal_linear_attention(
+        x["q"], x["k"], x["v"], None, log_decay=x.get("g"), normalize=False, method=method,
+        seq_axis=1, return_state=True),
+    "normalized": lambda x, method: polylin.causal_linear_attention(
+        abs(x["q"]), abs(x["k"]), x["v"], None, log_decay=x.get("g"), method=method,
+        seq_axis=1, return_state=True),
+}  # fmt: skip
+KERNEL = {"delta": "delta", "dplr": "dplr", "linear": "linear", "normalized": "linear"}
+TOLERANCE = {"float32": 2e-5, "float64": 1e-12}
+
+
+def _close(got: Any, want: Any, dtype: str) -> None:
+    for g, w in zip(_leaves(got), _leaves(want), strict=True):
+        g, w = _numpy(g), _numpy(w)
+        assert g.dtype == w.dtype and g.shape == w.shape
+        scale = max(1.0, float(np.abs(w).max()))
+        np.testing.assert_allclose(g, w, rtol=0, atol=TOLERANCE[dtype] * scale)
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_recurrent_form_matches_the_array_api_form(
+    calls: list[str], library: str, dtype: str, gate: str, family: str
+) -> None:
+    x = _inputs(library, dtype, gate)
+    before = {n: _numpy(a).copy() for n, a in x.items()}
+    got = FAMILIES[family](x, "recurrent")
+    assert calls == [KERNEL[family]]
+    want = _without_kernels(lambda: FAMILIES[family](x, "recurrent"))
+    _close(got, want, dtype)
+    _close(got, FAMILIES[family](x, "chunked"), dtype)
+    assert all(type(y) is type(x["q"]) for y in _leaves(got))
+    for n, a in x.items():  # the caller's arrays, the state included, are never written
+        np.testing.assert_array_equal(_numpy(a), before[n])
+
+
+def _step(family: str, x: dict[str, Any], t: int) -> Any:
+    tok = {n: a[:, t] for n, a in x.items() if n != "S"}
+    if family == "delta":
+        return polylin.delta_rule_step(tok["q"], tok["k"], tok["v"], tok["beta"], x["S"],
+                                       log_decay=tok.get("g"))  # fmt: skip
+    if family == "dplr":
+        return polylin.dplr_delta_rule_step(tok["q"], tok["k"], tok["v"], tok["a"], tok["b"],
+                                            x["S"], log_decay=tok.get("g"))  # fmt: skip
+    state = polylin.LinearAttentionState(x["S"], abs(x["k"][:, 0]) * 0 + 1)
+    normalize = family == "normalized"
+    q, k = (abs(tok[n]) for n in "qk") if normalize else (tok["q"], tok["k"])
+    return polylin.step(q, k, tok["v"], state, normalize=normalize, log_decay=tok.get("g"))
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_steps_match_the_array_api_steps(
+    calls: list[str], library: str, dtype: str, gate: str, family: str
+) -> None:
+    x = _inputs(library, dtype, gate, seed=1)
+    got = _step(family, x, 3)
+    assert calls and set(calls) == {KERNEL[family]}
+    _close(got, _without_kernels(lambda: _step(family, x, 3)), dtype)
+
+
+def test_prepared_step_runs_the_kernel_and_equals_the_plain_step(calls: list[str]) -> None:
+    x = _inputs("torch", "float32", "channel")
+    prepared = polylin.prepare_delta_rule_step(scale=0.5)
+    tok = {n: a[:, 0] for n, a in x.items() if n != "S"}
+    args = (tok["q"], tok["k"], tok["v"], tok["beta"], x["S"])
+    for o, plain in zip(prepared(*args, log_decay=tok["g"]),
+                        polylin.delta_rule_step(*args, log_decay=tok["g"], scale=0.5)):  # fmt: skip
+        assert torch.equal(o, plain)
+    assert calls == ["delta", "delta"]
+
+
+def test_a_gradient_to_record_runs_the_array_api_form(calls: list[str]) -> None:
+    x = _inputs("torch", "float64", "scalar")
+    x["q"].requires_grad_(True)
+    out, _ = FAMILIES["delta"](x, "recurrent")
+    out.sum().backward()
+    assert calls == [] and x["q"].grad is not None and bool(torch.isfinite(x["q"].grad).all())
+    with torch.no_grad():  # no gradient recorded: the kernel runs, on the detached values
+        FAMILIES["delta"](x, "recurrent")
+    assert calls == ["delta"]
+
+
+def test_other_dtypes_and_libraries_decline() -> None:
+    x = _inputs("torch", "float32", "scalar")
+    half = [a[:, 0].to(torch.float16) for a in (x["q"], x["k"], x["v"], x["beta"])]
+    assert compiled.compiled_tokens("delta", half, None, x["S"].half(), step=True) is None
+    mixed = [x["q"][:, 0].numpy(), x["k"][:, 0], x["v"][:, 0], x["beta"][:, 0]]
+    assert compiled.compiled_tokens("delta", mixed, None, x["S"], step=True) is None
+    wrong = [a[:, 0] for a in (x["q"], x["k"], x["v"], x["beta"])]
+    assert compiled.compiled_tokens("delta", wrong, None, x["S"][:, :2], step=True) is None
+
+
+def test_shared_keys_broadcast_to_the_states() -> None:
+    x = _inputs("numpy", "float64", "channel")
+    q, k, v, beta, g = (x[n][:, 0] for n in ("q", "k", "v", "beta", "g"))
+    shared = k[:, :1]  # one key for every head (grouped heads)
+    got = compiled.compiled_tokens("delta", [q, shared, v, beta], np.exp(g), x["S"], step=True)
+    want = compiled.compiled_tokens(
+        "delta", [q, np.broadcast_to(shared, k.shape), v, beta], np.exp(g), x["S"], step=True)
+    assert got is not None and want is not None
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_empty_batch() -> None:
+    x = _inputs("numpy", "float32", "scalar")
+    empty = [x[n][:0, 0] for n in ("q", "k", "v", "beta")]
+    out, S = compiled.compiled_tokens("delta", empty, None, x["S"][:0], step=True)
+    assert out.shape == (0, H, D + 2) and S.shape == (0, H, D, D + 2)
+
+
+def test_the_environment_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compiled.ENVIRONMENT, "0")
+    compiled._numba.cache_clear()
+    compiled.kernel.cache_clear()
+    try:
+        assert not compiled.compiled_available() and compiled.kernel("delta") is None
+    finally:
+        monkeypatch.delenv(compiled.ENVIRONMENT)
+        compiled._numba.cache_clear()
+        compiled.kernel.cache_clear()
+    assert compiled.compiled_available() and compiled.kernel("delta") is not None
