@@ -46,14 +46,25 @@ def test_peers_run_small_at_each_size():
             assert result["seconds"][f"{name}_{mode}"]["wall"] > 0
 
 
-def test_block_sizes_run_small():
-    """benchmarks/blocks.py times one configuration per process; in-process it runs small."""
+def test_block_sizes_run_small(monkeypatch):
+    """benchmarks/blocks.py times one configuration per process; in-process it runs small.
+    Its budgets and PyTorch's threads are the process's: put back for the tests after it."""
+    import torch
+
+    import polylin._forms.delta.chunked as delta
+    import polylin._forms.linear.chunked as linear
     from benchmarks import blocks
 
-    for kind in ("forward", "fwd+bwd"):
-        for form in ("gdn", "gla"):
-            timed = blocks.child(1, 64, kind, 128, d=8, calls=1, form=form)
-            assert timed["ms"] > 0 and timed["sys_ms"] >= 0
+    monkeypatch.setattr(delta, "BLOCK_ROWS", delta.BLOCK_ROWS)
+    monkeypatch.setattr(linear, "BLOCK_BYTES", linear.BLOCK_BYTES)
+    threads = torch.get_num_threads()
+    try:
+        for kind in ("forward", "fwd+bwd"):
+            for form in ("gdn", "gla"):
+                timed = blocks.child(1, 64, kind, 128, d=8, calls=1, form=form)
+                assert timed["ms"] > 0 and timed["sys_ms"] >= 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_peak_memory_runs_small():

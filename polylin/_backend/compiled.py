@@ -216,7 +216,7 @@ def _views(S: Any, arrays: list[Any]) -> list[Any] | None:
     if torch_namespace_of(S) is None:
         return None
     torch = torch_module()
-    if (not S.is_cpu or S.dtype not in (torch.float32, torch.float64) or compiling(S)
+    if (not S.is_cpu or S.dtype not in (torch.float32, torch.float64)
             or torch_transforming(S)):  # fmt: skip
         return None
     grad = torch.is_grad_enabled()
@@ -246,6 +246,8 @@ def compiled_tokens(
     z_T, den)`` with the normalizers ``den`` ``(..., 1)`` or ``(..., T, 1)``; ``None`` where the
     kernels do not run: Numba missing or turned off, another library or device, a gradient to
     record, another dtype, or leading dimensions that do not broadcast to the state's."""
+    if torch_namespace_of(S) is not None and compiling(S):  # traced: the graph's own ops
+        return None
     run = kernel(name)
     if run is None:
         return None
