@@ -12,14 +12,19 @@ results agree with the array-API step's to rounding; the order of the sums diffe
   (linear attention with a scalar or per-channel decay: RetNet, GLA, Mamba-2's scan);
 - :func:`dplr_tokens`: ``S_t = diag(a) S + b (a'^T S) + k v^T``, ``o = S_t^T q`` (RWKV-7).
 
-The functions are plain Python over arrays (a reference anyone can read) and are compiled with
-``numba.njit`` at their first use (:func:`kernel`; cached on disk where the package folder or
-Numba's cache folder is writable). Numba is optional: without it, or with the environment
-variable ``POLYLIN_COMPILED=0``, :func:`compiled_tokens` answers ``None`` and the array-API
-forms run. Only NumPy arrays and PyTorch CPU tensors without a gradient to record qualify
-(:func:`compiled_tokens`): Numba reads them as NumPy arrays that share their memory. This
-module imports no array library (rule 1 of ARCHITECTURE.md): a tensor's NumPy view is made by
-the tensor's own library, and the kernels allocate only through the arrays they are given.
+Each head's state alternates between two buffers from token to token (its row ``i`` read from
+one, written to the other): where a loop read and wrote the same row, the compiler could not
+prove the two apart and left it unvectorized (GLA's loop at 32 heads x 64, T = 512: 70 ms
+against 16 ms). Multiply-adds may be fused (``fastmath={"contract"}``, nothing reassociated:
+11 ms). The functions are plain Python over arrays (a reference anyone can read) and are
+compiled with ``numba.njit`` at their first use (:func:`kernel`; cached on disk where the
+package folder or Numba's cache folder is writable). Numba is optional: without it, or with
+the environment variable ``POLYLIN_COMPILED=0``, :func:`compiled_tokens` answers ``None`` and
+the array-API forms run. Only NumPy arrays and PyTorch CPU tensors without a gradient to
+record qualify (:func:`compiled_tokens`): Numba reads them as NumPy arrays that share their
+memory. This module imports no array library (rule 1 of ARCHITECTURE.md): a tensor's NumPy
+view is made by the tensor's own library, and the results are allocated by the NumPy that
+the arrays' views show to be imported.
 """
 
 from __future__ import annotations
