@@ -86,6 +86,16 @@ FAMILIES = {
 }  # fmt: skip
 KERNEL = {"delta": "delta", "dplr": "dplr", "linear": "linear", "normalized": "linear"}
 TOLERANCE = {"float32": 2e-5, "float64": 1e-12}
+#: Every library, dtype, gate and family: the grid of the form and step comparisons.
+GRID = {"library": ["numpy", "torch"], "dtype": ["float32", "float64"],
+        "gate": ["none", "scalar", "channel"], "family": sorted(FAMILIES)}  # fmt: skip
+
+
+def every_case(test: Callable[..., None]) -> Callable[..., None]:
+    """``test`` parametrized over :data:`GRID`."""
+    for name, values in GRID.items():
+        test = pytest.mark.parametrize(name, values)(test)
+    return test
 
 
 def _close(got: Any, want: Any, dtype: str) -> None:
@@ -96,10 +106,7 @@ def _close(got: Any, want: Any, dtype: str) -> None:
         np.testing.assert_allclose(g, w, rtol=0, atol=TOLERANCE[dtype] * scale)
 
 
-@pytest.mark.parametrize("library", ["numpy", "torch"])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@every_case
 def test_recurrent_form_matches_the_array_api_form(
     calls: list[str], library: str, dtype: str, gate: str, family: str
 ) -> None:
@@ -129,10 +136,7 @@ def _step(family: str, x: dict[str, Any], t: int) -> Any:
     return polylin.step(q, k, tok["v"], state, normalize=normalize, log_decay=tok.get("g"))
 
 
-@pytest.mark.parametrize("library", ["numpy", "torch"])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@every_case
 def test_steps_match_the_array_api_steps(
     calls: list[str], library: str, dtype: str, gate: str, family: str
 ) -> None:
