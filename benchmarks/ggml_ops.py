@@ -81,7 +81,9 @@ from polylin.activations import softplus  # noqa: E402
 from polylin.feature_maps import identity  # noqa: E402
 from polylin.testing import Backend  # noqa: E402
 
-_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+#: Numba's: the compiled token loops' threads on NumPy arrays (``polylin._backend.compiled``).
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                     "NUMBA_NUM_THREADS")  # fmt: skip
 
 SDIST = "llama-cpp-python==0.3.36"
 SDIST_DIR = "llama_cpp_python-0.3.36"
@@ -422,12 +424,18 @@ def reference(case: Case, x: dict[str, np.ndarray]) -> np.ndarray:
 DELTA_CHUNK = 32
 
 
-def token_loop(backend: Backend) -> bool:
-    """Whether RWKV-7's prefill runs its recurrent form, polylin's compiled token loop
-    (``polylin._backend.compiled``: Numba installed, NumPy or PyTorch): at ggml's shape it took
-    0.62-0.87x the time of the chunked form on one thread (a Zen 3 core, ``docs/performance.md``,
-    "Compiled token loops"); the other ops keep their chunked forms (0.95-1.37x)."""
-    return compiled_available() and backend in (Backend.NUMPY, Backend.TORCH)
+def token_loop(case: Case, backend: Backend) -> bool:
+    """Whether a prefill runs its recurrent form, polylin's compiled token loop
+    (``polylin._backend.compiled``: Numba installed, NumPy or PyTorch), instead of the chunked
+    form: where a head's state is at most 64 x 64 (16 KiB in float32, in a core's L1 cache with
+    its second buffer). At ggml's shapes on one thread (a Zen 3 core, ``docs/performance.md``,
+    "Compiled token loops") the loop took 0.58-0.86x the chunked form's time there (RWKV-7, GLA,
+    the gated delta rule at 16 x 64), 1.04-2.0x with 128 channels (KDA, the gated delta rule at
+    32 x 128, Mamba-2's state of 128)."""
+    if case.family == "conv" or backend not in (Backend.NUMPY, Backend.TORCH):
+        return False
+    sizes = dict(case.sizes)
+    return compiled_available() and max(sizes["d"], sizes.get("N", 0)) <= 64
 
 
 def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[], Any]:
@@ -437,6 +445,7 @@ def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[]
     xp = backend.namespace()
     decode = case.phase == "decode"
     token = {n: a[:, 0] for n, a in x.items() if n not in ("A", "S", "weight", "state")}
+    method = "recurrent" if token_loop(case, backend) else "chunked"
     if case.family == "conv":
         if decode:
             return lambda: causal_conv1d_step(token["x"], x["weight"], state=x["state"])
@@ -450,14 +459,13 @@ def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[]
                                 log_decay=token["g"])  # fmt: skip
         return lambda: delta_rule_attention(
             x["q"], x["k"], x["v"], x["beta"], log_decay=x["g"], scale=scale,
-            initial_state=x["S"], return_state=True, seq_axis=1,
+            initial_state=x["S"], return_state=True, seq_axis=1, method=method,
             chunk_size=DELTA_CHUNK)  # fmt: skip
     if case.family == "wkv7":
         if decode:
             step = prepare_dplr_step()
             return lambda: step(*(token[n] for n in ("q", "k", "v", "a", "b")), x["S"],
                                 log_decay=token["g"])  # fmt: skip
-        method = "recurrent" if token_loop(backend) else "chunked"
         return lambda: dplr_delta_rule(
             x["q"], x["k"], x["v"], x["a"], x["b"], log_decay=x["g"], initial_state=x["S"],
             return_state=True, seq_axis=1, method=method)  # fmt: skip
@@ -469,7 +477,7 @@ def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[]
             return lambda: step(token["q"], token["k"], token["v"], state, log_decay=token["g"])
         return lambda: causal_linear_attention(
             x["q"], x["k"], x["v"], identity, log_decay=x["g"], normalize=False, scale=scale,
-            initial_state=state, return_state=True, seq_axis=1)  # fmt: skip
+            initial_state=state, return_state=True, seq_axis=1, method=method)  # fmt: skip
 
     def ssm_inputs(at: dict[str, Any]) -> tuple[Any, Any]:  # x dt', dt' A
         # polylin's softplus (PyTorch's own kernel there): ggml's returns dt above 20, which
@@ -490,7 +498,7 @@ def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[]
         v, log_decay = ssm_inputs(x)
         return causal_linear_attention(
             x["C"], x["B"], v, identity, log_decay=log_decay, normalize=False,
-            initial_state=state, return_state=True, seq_axis=1)  # fmt: skip
+            initial_state=state, return_state=True, seq_axis=1, method=method)  # fmt: skip
 
     return ssm
 

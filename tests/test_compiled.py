@@ -208,3 +208,50 @@ def test_the_environment_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) 
         compiled._numba.cache_clear()
         compiled.kernel.cache_clear()
     assert compiled.compiled_available() and compiled.kernel("delta") is not None
+
+
+def _layouts(x: np.ndarray) -> dict[str, np.ndarray]:
+    """The same ``(B, H, T, w)`` values laid out four ways, each seen as ``(B, H, T, w)``."""
+    return {
+        "head-major": np.ascontiguousarray(x),
+        "token-major": np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3),
+        "tokens first": np.ascontiguousarray(x.transpose(2, 0, 1, 3)).transpose(1, 2, 0, 3),
+        "strided": np.repeat(x, 2, axis=2)[:, :, ::2],
+    }
+
+
+@pytest.mark.parametrize("name", ["delta", "linear", "dplr"])
+def test_every_layout_of_the_tokens_gives_the_same_bits(name: str) -> None:
+    x = _inputs("numpy", "float64", "channel")
+    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
+             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
+    tokens = [x[n].transpose(0, 2, 1, 3) for n in (*names, "g")]  # (B, H, T, w) values
+    tokens[-1] = np.exp(tokens[-1])
+    z = x["S"][..., 0] if name == "linear" else None
+    results = {}
+    for layout in _layouts(tokens[0]):
+        *laid, decay = (_layouts(t)[layout] for t in tokens)
+        results[layout] = compiled.compiled_tokens(name, laid, decay, x["S"], z, step=False)
+    want = results.pop("head-major")
+    for got in results.values():
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+    # token-major tokens give a token-major output, as the caller laid them out
+    assert np.moveaxis(results["token-major"][0], 2, 1).flags.c_contiguous
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_states_split_between_threads_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, library: str
+) -> None:
+    x = _inputs(library, "float32", "channel")
+    one = FAMILIES["dplr"](x, "recurrent")
+    monkeypatch.setattr(compiled, "PART_SIZE", 1)
+    monkeypatch.setattr(compiled, "_threads", lambda tensors: 4)
+    parts: list[int] = []
+    real = compiled._in_parts
+    monkeypatch.setattr(compiled, "_in_parts", lambda *a: (parts.append(a[-1]), real(*a)))
+    for got, want in zip(_leaves(FAMILIES["dplr"](x, "recurrent")), _leaves(one), strict=True):
+        np.testing.assert_array_equal(_numpy(got), _numpy(want))
+    assert parts == [4]  # B x H = 6 states in four parts

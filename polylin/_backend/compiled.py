@@ -29,9 +29,12 @@ the arrays' views show to be imported.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
@@ -52,36 +55,42 @@ ENVIRONMENT = "POLYLIN_COMPILED"
 
 
 def delta_tokens(
-    q: Any, k: Any, v: Any, beta: Any, decay: Any, S: Any, out: Any, S_out: Any
+    q: Any, k: Any, v: Any, beta: Any, decay: Any, S: Any, out: Any, S_out: Any, lo: int,
+    hi: int,
 ) -> None:
-    """The gated delta rule over ``T`` tokens: ``q, k`` ``(n, T, m)``, ``v`` ``(n, T, c)``,
-    ``beta`` ``(n, T, 1)``, ``decay`` ``(n or 1, T or 1, m or 1)`` (``exp(g)``; ones for no
-    decay), ``S`` ``(n, m, c)`` read; ``out`` ``(n, T, c)`` and ``S_out`` ``(n, m, c)`` written."""
-    n, T, m = k.shape
-    c = v.shape[2]
-    dt, di = int(decay.shape[1] > 1), int(decay.shape[2] > 1)  # broadcast axes read at 0
-    for h in range(n):
-        dh = h if decay.shape[0] > 1 else 0
+    """The gated delta rule over ``T`` tokens for the states ``lo`` to ``hi``: ``q, k``
+    ``(P, T, Q, m)``, ``v`` ``(P, T, Q, c)``, ``beta`` ``(P, T, Q, 1)``, ``decay`` ``exp(g)``
+    ``(P or 1, T or 1, Q or 1, m or 1)`` (ones for no decay); state ``h`` is token row
+    ``(h // Q, h % Q)``. ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q, c)`` and ``S_out``
+    written."""
+    T, Q, m = k.shape[1:]
+    c = v.shape[3]
+    dp, dt = int(decay.shape[0] > 1), int(decay.shape[1] > 1)  # broadcast axes read at 0
+    dq, di = int(decay.shape[2] > 1), int(decay.shape[3] > 1)
+    for h in range(lo, hi):
+        p, r = h // Q, h % Q
         source = S[h]
         spare = S_out[h] if T == 1 else S_out[h].copy()  # the other buffer (module docstring)
-        error = v[h, 0].copy()  # (c,): S'^T k, then beta (v - S'^T k)
+        error = v[p, 0, r].copy()  # (c,): S'^T k, then beta (v - S'^T k)
         for t in range(T):
+            gates = decay[p * dp, t * dt, r * dq]
             state = S_out[h] if (T - 1 - t) % 2 == 0 else spare
             error[:] = 0
             for i in range(m):
-                key = decay[dh, t * dt, i * di] * k[h, t, i]
+                key = gates[i * di] * k[p, t, r, i]
                 row = source[i]
                 for j in range(c):
                     error[j] += key * row[j]
-            b = beta[h, t, 0]
+            b = beta[p, t, r, 0]
+            value = v[p, t, r]
             for j in range(c):
-                error[j] = b * (v[h, t, j] - error[j])
-            o = out[h, t]
+                error[j] = b * (value[j] - error[j])
+            o = out[p, t, r]
             o[:] = 0
             for i in range(m):
-                a = decay[dh, t * dt, i * di]
-                ki = k[h, t, i]
-                qi = q[h, t, i]
+                a = gates[i * di]
+                ki = k[p, t, r, i]
+                qi = q[p, t, r, i]
                 row = source[i]
                 new = state[i]
                 for j in range(c):
@@ -93,76 +102,84 @@ def delta_tokens(
 
 def linear_tokens(
     q: Any, k: Any, v: Any, decay: Any, S: Any, z: Any, out: Any, S_out: Any, z_out: Any,
-    den: Any,
+    den: Any, lo: int, hi: int,
 ) -> None:
-    """Linear attention over ``T`` tokens: ``q, k`` ``(n, T, m)``, ``v`` ``(n, T, c)``, ``decay``
+    """Linear attention over ``T`` tokens for the states ``lo`` to ``hi``: ``q, k, v, decay``
     as for :func:`delta_tokens`, ``S`` ``(n, m, c)`` and ``z`` ``(n, m)`` read; ``out``
-    ``(n, T, c)`` (the numerators ``S_t^T q``), ``S_out``, ``z_out`` and ``den`` ``(n, T, 1)``
-    (the normalizers ``z_t^T q``) written."""
-    n, T, m = k.shape
-    c = v.shape[2]
-    dt, di = int(decay.shape[1] > 1), int(decay.shape[2] > 1)  # broadcast axes read at 0
-    for h in range(n):
-        dh = h if decay.shape[0] > 1 else 0
+    ``(P, T, Q, c)`` (the numerators ``S_t^T q``), ``S_out``, ``z_out`` and ``den``
+    ``(P, T, Q, 1)`` (the normalizers ``z_t^T q``) written."""
+    T, Q, m = k.shape[1:]
+    c = v.shape[3]
+    dp, dt = int(decay.shape[0] > 1), int(decay.shape[1] > 1)  # broadcast axes read at 0
+    dq, di = int(decay.shape[2] > 1), int(decay.shape[3] > 1)
+    for h in range(lo, hi):
+        p, r = h // Q, h % Q
         source = S[h]
         spare = S_out[h] if T == 1 else S_out[h].copy()  # the other buffer (module docstring)
         z_source = z[h]
         z_state = z_out[h]
         for t in range(T):
+            gates = decay[p * dp, t * dt, r * dq]
             state = S_out[h] if (T - 1 - t) % 2 == 0 else spare
-            o = out[h, t]
+            value = v[p, t, r]
+            o = out[p, t, r]
             o[:] = 0
             total = 0 * z_source[0]
             for i in range(m):
-                a = decay[dh, t * dt, i * di]
-                ki = k[h, t, i]
-                qi = q[h, t, i]
+                a = gates[i * di]
+                ki = k[p, t, r, i]
+                qi = q[p, t, r, i]
                 z_state[i] = ki + a * z_source[i]
                 total += qi * z_state[i]
                 row = source[i]
                 new = state[i]
                 for j in range(c):
-                    x = a * row[j] + ki * v[h, t, j]
+                    x = a * row[j] + ki * value[j]
                     new[j] = x
                     o[j] += qi * x
-            den[h, t, 0] = total
+            den[p, t, r, 0] = total
             source = state
             z_source = z_state
 
 
 def dplr_tokens(
-    q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any, S: Any, out: Any, S_out: Any
+    q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any, S: Any, out: Any, S_out: Any, lo: int,
+    hi: int,
 ) -> None:
-    """The generalized delta rule over ``T`` tokens: ``q, k, a, b`` ``(n, T, m)``, ``v``
-    ``(n, T, c)``, ``decay`` as for :func:`delta_tokens`, ``S`` ``(n, m, c)`` read; ``out``
-    ``(n, T, c)`` and ``S_out`` written. ``a^T S`` is read before the decay."""
-    n, T, m = k.shape
-    c = v.shape[2]
-    dt, di = int(decay.shape[1] > 1), int(decay.shape[2] > 1)  # broadcast axes read at 0
-    for h in range(n):
-        dh = h if decay.shape[0] > 1 else 0
+    """The generalized delta rule over ``T`` tokens for the states ``lo`` to ``hi``: ``q, k,
+    a, b`` ``(P, T, Q, m)``, ``v`` ``(P, T, Q, c)``, ``decay`` as for :func:`delta_tokens`,
+    ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q, c)`` and ``S_out`` written. ``a^T S`` is
+    read before the decay."""
+    T, Q, m = k.shape[1:]
+    c = v.shape[3]
+    dp, dt = int(decay.shape[0] > 1), int(decay.shape[1] > 1)  # broadcast axes read at 0
+    dq, di = int(decay.shape[2] > 1), int(decay.shape[3] > 1)
+    for h in range(lo, hi):
+        p, r = h // Q, h % Q
         source = S[h]
         spare = S_out[h] if T == 1 else S_out[h].copy()  # the other buffer (module docstring)
-        read = v[h, 0].copy()  # (c,): a^T S
+        read = v[p, 0, r].copy()  # (c,): a^T S
         for t in range(T):
+            gates = decay[p * dp, t * dt, r * dq]
             state = S_out[h] if (T - 1 - t) % 2 == 0 else spare
             read[:] = 0
             for i in range(m):
-                ai = a[h, t, i]
+                ai = a[p, t, r, i]
                 row = source[i]
                 for j in range(c):
                     read[j] += ai * row[j]
-            o = out[h, t]
+            value = v[p, t, r]
+            o = out[p, t, r]
             o[:] = 0
             for i in range(m):
-                ai = decay[dh, t * dt, i * di]
-                bi = b[h, t, i]
-                ki = k[h, t, i]
-                qi = q[h, t, i]
+                ai = gates[i * di]
+                bi = b[p, t, r, i]
+                ki = k[p, t, r, i]
+                qi = q[p, t, r, i]
                 row = source[i]
                 new = state[i]
                 for j in range(c):
-                    x = (ai * row[j] + bi * read[j]) + ki * v[h, t, j]
+                    x = (ai * row[j] + bi * read[j]) + ki * value[j]
                     new[j] = x
                     o[j] += qi * x
             source = state
@@ -208,33 +225,33 @@ def _views(S: Any, arrays: list[Any]) -> list[Any] | None:
     """NumPy arrays sharing the memory of ``S`` and ``arrays``: NumPy arrays themselves, or
     PyTorch CPU tensors' views where no gradient is recorded (not traced by ``torch.compile``,
     not in a ``torch.func`` transform); all of one dtype, float32 or float64. ``None``
-    otherwise."""
+    otherwise. A decoding step pays this at every token: a tensor's own ``numpy()`` checks its
+    device, and the views' dtypes are compared, instead of each tensor's attributes."""
     numpy = loaded_numpy()
     if numpy is None:
         return None
-    if type(S) is numpy.ndarray:
-        if S.dtype.char not in "fd" or not all(
-            type(x) is numpy.ndarray and x.dtype == S.dtype for x in arrays
-        ):  # fmt: skip
+    given = [S, *arrays]
+    if type(S) is not numpy.ndarray:
+        if torch_namespace_of(S) is None or torch_transforming(S):
             return None
-        return [S, *arrays]
-    if torch_namespace_of(S) is None:
-        return None
-    torch = torch_module()
-    if (not S.is_cpu or S.dtype not in (torch.float32, torch.float64)
-            or torch_transforming(S)):  # fmt: skip
-        return None
-    grad = torch.is_grad_enabled()
-    views = []
-    for x in (S, *arrays):
-        if not (isinstance(x, torch.Tensor) and x.is_cpu and x.dtype == S.dtype):
+        torch = torch_module()
+        if not all(isinstance(x, torch.Tensor) for x in given):  # another library
             return None
-        if x.requires_grad:
-            if grad:
+        if torch.is_grad_enabled() and any(x.requires_grad for x in given):
+            return None
+        try:  # raises for another device or dtype, and where grad is required (under no_grad)
+            given = [x.numpy() for x in given]
+        except (RuntimeError, TypeError):
+            given = [x.detach() for x in given]
+            if not all(x.is_cpu and x.dtype in (torch.float32, torch.float64) for x in given):
                 return None
-            x = x.detach()
-        views.append(x.numpy())
-    return views
+            given = [x.numpy() for x in given]
+    dtype = given[0].dtype
+    if dtype.char not in "fd" or not all(
+        type(x) is numpy.ndarray and x.dtype == dtype for x in given
+    ):  # fmt: skip
+        return None
+    return given
 
 
 def compiled_tokens(
@@ -250,44 +267,150 @@ def compiled_tokens(
     state's. Returns, in the caller's library, ``(out, S_T)``, for ``"linear"`` ``(out, S_T,
     z_T, den)`` with the normalizers ``den`` ``(..., 1)`` or ``(..., T, 1)``; ``None`` where the
     kernels do not run: Numba missing or turned off, another library or device, a gradient to
-    record, another dtype, or leading dimensions that do not broadcast to the state's."""
-    if torch_namespace_of(S) is not None and compiling(S):  # traced: the graph's own ops
+    record, another dtype, or leading dimensions that do not broadcast to the state's.
+
+    The kernels read the tokens in the caller's order: where ``q`` is a view of arrays laid
+    out token-major (``(B, T, H, d)`` seen as ``(B, H, T, d)``, as the public functions'
+    ``seq_axis`` makes them), the tokens are read there, not copied head-major, and ``out`` is
+    written token-major too (returned as the same kind of view)."""
+    if compiling(S):  # traced by torch.compile: the graph's own operations
         return None
     run = kernel(name)
     if run is None:
         return None
-    given = [*tokens] + [x for x in (decay, z) if x is not None]
+    given = [*tokens] if decay is None else [*tokens, decay]
+    if z is not None:
+        if tuple(z.shape) != tuple(S.shape[:-1]):
+            return None
+        given.append(z)
     views = _views(S, given)
-    if views is None or (z is not None and tuple(z.shape) != tuple(S.shape[:-1])):
+    if views is None:
         return None
     numpy: Any = loaded_numpy()  # imported: views were made
-    lead = tuple(S.shape[:-2])
-    T = 1 if step else tokens[0].shape[-2]
-    n, (m, c), dtype = math.prod(lead), S.shape[-2:], views[0].dtype
-    flat: list[Any] = []
-    for x in views[1 : len(tokens) + 1 + (decay is not None)]:
-        rows = T if len(flat) < len(tokens) or step else x.shape[-2]  # a decay may be shared
-        want = lead if step else (*lead, rows)
+    state, dtype = views[0], views[0].dtype
+    m, c = state.shape[-2:]
+    layout = _Layout(numpy, state.shape[:-2], 1 if step else tokens[0].shape[-2], views[1], step)
+    n, T = layout.n, layout.T
+    flat = []
+    for i, x in enumerate(views[1 : len(tokens) + 1 + (decay is not None)]):
+        shared = i == len(tokens) and not step and x.shape[-2] == 1  # a decay for every token
+        flat.append(layout.read(x, 1 if shared else T))
+        if flat[-1] is None:
+            return None
+    if decay is None:
+        flat.append(numpy.ones((1, 1, 1, 1), dtype=dtype))
+    flat.append(numpy.ascontiguousarray(state.reshape(n, m, c)))
+    results = [layout.empty(c, dtype), numpy.empty((n, m, c), dtype=dtype)]
+    if z is not None:
+        flat.append(numpy.ascontiguousarray(views[-1].reshape(n, m)))
+        results += [numpy.empty((n, m), dtype=dtype), layout.empty(1, dtype)]
+    parts = min(n, _threads(state is not S), n * T * m * c // PART_SIZE)
+    if parts > 1:
+        _in_parts(run, [*flat, *results], n, parts)
+    else:
+        run(*flat, *results, 0, n)
+    results[0], results[1] = layout.given(results[0]), results[1].reshape(state.shape)
+    if z is not None:
+        results[2], results[3] = results[2].reshape(state.shape[:-1]), layout.given(results[3])
+    if state is not S:  # PyTorch: tensors sharing the results' memory
+        from_numpy = torch_module().from_numpy
+        return tuple(from_numpy(x) for x in results)
+    return tuple(results)
+
+
+class _Layout:
+    """How the kernels see the per-token arrays of states of leading dimensions ``lead``:
+    ``(P, T, Q, width)``, the state ``h`` being token row ``(h // Q, h % Q)``.
+
+    Head-major (``Q = 1``) for one token and for arrays laid out ``(..., T, width)``;
+    token-major where ``q`` is a view of an array whose last ``after`` leading dimensions
+    follow the token axis in memory (``(B, T, H, d)`` seen as ``(B, H, T, d)``: ``after = 1``,
+    ``Q = H``), so that the caller's arrays are read where they are."""
+
+    def __init__(self, numpy: Any, lead: tuple[int, ...], T: int, q: Any, step: bool) -> None:
+        self.numpy, self.lead, self.T, self.step = numpy, lead, T, step
+        self.n = math.prod(lead)
+        self.split = len(lead) - (0 if step else _token_major(numpy, q, lead))
+        self.Q = math.prod(lead[self.split :])
+
+    def read(self, x: Any, rows: int) -> Any | None:
+        """``x`` ``(..., rows, width)`` (``(..., width)`` for one token) as the kernels read
+        it: C-contiguous ``(P, rows, Q, width)``, a copy only where it is laid out otherwise or
+        broadcast; ``None`` where its leading dimensions do not broadcast to the states'."""
+        numpy, lead, width = self.numpy, self.lead, x.shape[-1]
+        want = lead if self.step else (*lead, rows)
         if x.shape[:-1] != want:
             if not _broadcasts(x.shape[:-1], want):
                 return None
-            x = numpy.broadcast_to(x, (*want, x.shape[-1]))
-        flat.append(numpy.ascontiguousarray(x.reshape(n, 1 if step else rows, x.shape[-1])))
-    if decay is None:
-        flat.append(numpy.ones((1, 1, 1), dtype=dtype))
-    flat.append(numpy.ascontiguousarray(views[0].reshape(n, m, c)))
-    out, S_T = numpy.empty((n, T, c), dtype=dtype), numpy.empty((n, m, c), dtype=dtype)
-    results = [out, S_T]
-    if z is not None:
-        results += [numpy.empty((n, m), dtype=dtype), numpy.empty((n, T, 1), dtype=dtype)]
-        flat.append(numpy.ascontiguousarray(views[-1].reshape(n, m)))
-    run(*flat, *results)
-    per_token = lead if step else (*lead, T)
-    shapes = [(*per_token, c), S.shape, (*lead, m), (*per_token, 1)]
-    results = [x.reshape(shape) for x, shape in zip(results, shapes)]
-    if views[0] is not S:  # PyTorch: tensors sharing the results' memory
-        results = [torch_module().from_numpy(x) for x in results]
-    return tuple(results)
+            x = numpy.broadcast_to(x, (*want, width))
+        if not self.step:
+            x = numpy.moveaxis(x, -2, self.split)
+        return numpy.ascontiguousarray(x.reshape(self.n // self.Q, rows, self.Q, width))
+
+    def empty(self, width: int, dtype: Any) -> Any:
+        """A result the kernels write, ``(P, T, Q, width)``."""
+        return self.numpy.empty((self.n // self.Q, self.T, self.Q, width), dtype=dtype)
+
+    def given(self, x: Any) -> Any:
+        """A result ``(P, T, Q, width)`` as the caller's ``(..., T, width)`` (a view)."""
+        lead, width = self.lead, x.shape[-1]
+        if self.step:
+            return x.reshape(*lead, width)
+        x = x.reshape(*lead[: self.split], self.T, *lead[self.split :], width)
+        return self.numpy.moveaxis(x, self.split, -2)
+
+
+def _token_major(numpy: Any, q: Any, lead: tuple[int, ...]) -> int:
+    """How many of the leading dimensions ``lead`` of ``q`` ``(*lead, T, d)`` follow its token
+    axis in memory (0 where it is C-contiguous as it is, or laid out otherwise)."""
+    if q.flags.c_contiguous or q.shape[:-2] != lead:
+        return 0
+    for after in range(1, len(lead) + 1):
+        if numpy.moveaxis(q, -2, len(lead) - after).flags.c_contiguous:
+            return after
+    return 0
+
+
+#: The least work (states' entries times tokens) that each thread of a kernel's call gets:
+#: handing a part to another thread and waiting for it takes some microseconds.
+PART_SIZE = 1 << 22
+
+
+def _threads(tensors: bool) -> int:
+    """The threads a kernel's call may run on: PyTorch's (``torch.get_num_threads()``) for
+    tensors, Numba's (``NUMBA_NUM_THREADS``, by default the cores) for NumPy arrays."""
+    if tensors:
+        return int(torch_module().get_num_threads())
+    numba: Any = _numba()  # installed: a kernel runs
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
+def _in_parts(run: Callable[..., None], args: list[Any], n: int, parts: int) -> None:
+    """``run(*args, lo, hi)`` for ``parts`` consecutive ranges of the ``n`` states, all but the
+    first on the pool's threads (each call releases the GIL): the states are independent."""
+    first, *rest = itertools.pairwise([n * i // parts for i in range(parts + 1)])
+    pool = _pool(parts - 1)
+    waiting = [pool.submit(run, *args, lo, hi) for lo, hi in rest]
+    run(*args, *first)
+    for future in waiting:
+        future.result()
+
+
+_POOL: dict[int, ThreadPoolExecutor] = {}  # by process: a forked child starts its own
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """This process's threads for :func:`_in_parts`, at least ``workers`` of them."""
+    pid = os.getpid()
+    with _POOL_LOCK:
+        pool = _POOL.get(pid)
+        if pool is None or pool._max_workers < workers:
+            if pool is not None:
+                pool.shutdown(wait=False)
+            _POOL.clear()
+            pool = _POOL[pid] = ThreadPoolExecutor(workers, thread_name_prefix="polylin")
+        return pool
 
 
 def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
