@@ -429,7 +429,7 @@ def token_loop(case: Case, backend: Backend) -> bool:
     (``polylin._backend.compiled``: Numba installed, NumPy or PyTorch), instead of the chunked
     form: where a head's state is at most 64 x 64 (16 KiB in float32, in a core's L1 cache with
     its second buffer). At ggml's shapes on one thread (a Zen 3 core, ``docs/performance.md``,
-    "Compiled token loops") the loop took 0.58-0.86x the chunked form's time there (RWKV-7, GLA,
+    "Compiled token loops") the loop took 0.67-1.00x the chunked form's time there (RWKV-7, GLA,
     the gated delta rule at 16 x 64), 1.04-2.0x with 128 channels (KDA, the gated delta rule at
     32 x 128, Mamba-2's state of 128)."""
     if case.family == "conv" or backend not in (Backend.NUMPY, Backend.TORCH):
