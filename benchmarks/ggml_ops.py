@@ -544,7 +544,7 @@ def time_polylin(
     time of the call's matrix products (and ``products_share``, ``operations_share``, and their
     arithmetic against the loop's, ``products_flops`` and ``recurrence_flops``);
     decoding, the bare state passes, checked like the call (none for the convolution's
-    prefill)."""
+    prefill and the token loop's)."""
     rows = []
     for case in chosen:
         inputs = make_inputs(case)
@@ -586,9 +586,10 @@ def _floor(
     case: Case, fn: Callable[[], Any], mean: float, x: dict[str, Any], want: np.ndarray,
     repeats: int, budget_s: float,
 ) -> dict[str, Any]:
-    """``floor_s`` of a PyTorch row (see :func:`time_polylin`); none for the convolution's
-    prefill, which has no matrix products."""
-    if case.phase == "prefill" and case.family == "conv":
+    """``floor_s`` of a PyTorch row (see :func:`time_polylin`); none for the prefills without
+    matrix products: the convolution's, and those run by the compiled token loop
+    (:func:`token_loop`)."""
+    if case.phase == "prefill" and (case.family == "conv" or token_loop(case, Backend.TORCH)):
         return {}
     if case.phase == "prefill":
         products, operations = ggml_floors.profile_shares(fn)

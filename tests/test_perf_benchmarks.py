@@ -261,14 +261,19 @@ def test_ggml_ops_filter_picks_each_case_alone():
         assert not re.search(pattern, ",".join(longer))
 
 
-def test_ggml_ops_floors():
+def test_ggml_ops_floors(monkeypatch):
     """``--floors``: PyTorch's rows get a floor below their own time (prefill: the share of the
     call's matrix products; decoding: the bare state passes, checked against the float64 loop;
-    the convolution's prefill has none), and the table shows it."""
+    the convolution's prefill has none, nor a prefill run by the compiled token loop), and the
+    table shows it."""
     from benchmarks import ggml_ops
 
     wanted = [("gdn", "decode"), ("gla", "prefill"), ("conv", "prefill")]
     chosen = [c for c in ggml_ops.cases(quick=True) if (c.family, c.phase) in wanted]
+    if ggml_ops.token_loop(chosen[1], ggml_ops.Backend.TORCH):  # GLA's small prefill: the loop
+        rows = ggml_ops.time_polylin(chosen[1:2], ["torch"], 1, 0.05, floors=True)
+        assert "floor_s" not in rows[0] and "products_share" not in rows[0]
+    monkeypatch.setattr(ggml_ops, "token_loop", lambda case, backend: False)  # chunked forms
     rows = ggml_ops.time_polylin(chosen, ["torch"], 1, 0.05, floors=True)
     gdn, gla, conv = (next(r for r in rows if r["case"] == c.name) for c in chosen)
     assert 0 < gla["products_share"] <= gla["operations_share"] <= 1.5
