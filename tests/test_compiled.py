@@ -255,3 +255,14 @@ def test_states_split_between_threads_give_the_same_bits(
     for got, want in zip(_leaves(FAMILIES["dplr"](x, "recurrent")), _leaves(one), strict=True):
         np.testing.assert_array_equal(_numpy(got), _numpy(want))
     assert parts == [4]  # B x H = 6 states in four parts
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_kernels_run_as_plain_python_give_the_compiled_numbers(
+    monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """The kernels' Python (their reference) runs as it reads, shared pieces included."""
+    x = _inputs("numpy", "float64", "channel")
+    want = FAMILIES[family](x, "recurrent")
+    monkeypatch.setattr(compiled, "kernel", lambda name: compiled._KERNELS[name])
+    _close(FAMILIES[family](x, "recurrent"), want, "float64")

@@ -16,16 +16,17 @@ Each head's state alternates between two buffers from token to token (its row ``
 one, written to the other): where a loop read and wrote the same row, the compiler could not
 prove the two apart and left it unvectorized (GLA's loop at 32 heads x 64, T = 512: 70 ms
 against 16 ms). Multiply-adds may be fused (``fastmath={"contract"}``, nothing reassociated:
-11 ms). The functions are plain Python over arrays (a reference anyone can read) and are
-compiled with ``numba.njit`` at their first use (:func:`kernel`; cached on disk where the
-package folder or Numba's cache folder is writable). Numba is optional: without it, or with
-the environment variable ``POLYLIN_COMPILED=0``, :func:`compiled_tokens` answers ``None`` and
-the array-API forms run. Only NumPy arrays and PyTorch CPU tensors without a gradient to
-record qualify (:func:`compiled_tokens`): Numba reads them as NumPy arrays that share their
-memory. The kernels read the per-token arrays where the caller laid them out, token-major
-or head-major (:class:`_Layout`), and a long call's states are split between threads
-(:data:`PART_SIZE`). This module imports no array library (rule 1 of ARCHITECTURE.md): a
-tensor's NumPy view is made by the tensor's own library, and the results are allocated by the
+11 ms). The functions are plain Python over arrays (a reference anyone can read), sharing their
+pieces (a head's buffers, its gates, the weighted read of a state, the decay-and-add with its
+read-out), and are compiled with ``numba.njit`` at their first use (:func:`kernel`; cached on
+disk where the package folder or Numba's cache folder is writable). Numba is optional: without
+it, or with the environment variable ``POLYLIN_COMPILED=0``, :func:`compiled_tokens` answers
+``None`` and the array-API forms run. Only NumPy arrays and PyTorch CPU tensors without a
+gradient to record qualify (:func:`compiled_tokens`): Numba reads them as NumPy arrays that
+share their memory. The kernels read the per-token arrays where the caller laid them out,
+token-major or head-major (:class:`_Layout`), and a long call's states are split between
+threads (:data:`PART_SIZE`). This module imports no array library (rule 1 of ARCHITECTURE.md):
+a tensor's NumPy view is made by the tensor's own library, and the results are allocated by the
 NumPy that the arrays' views show to be imported.
 """
 
@@ -65,40 +66,18 @@ def delta_tokens(
     ``(P or 1, T or 1, Q or 1, m or 1)`` (ones for no decay); state ``h`` is token row
     ``(h // Q, h % Q)``. ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q, c)`` and ``S_out``
     written."""
-    T, Q, m = k.shape[1:]
-    c = v.shape[3]
-    dp, dt = int(decay.shape[0] > 1), int(decay.shape[1] > 1)  # broadcast axes read at 0
-    dq, di = int(decay.shape[2] > 1), int(decay.shape[3] > 1)
+    T, Q = k.shape[1:3]
     for h in range(lo, hi):
-        p, r = h // Q, h % Q
-        source = S[h]
-        spare = S_out[h] if T == 1 else S_out[h].copy()  # the other buffer (module docstring)
+        p, r, source, spare = _head(S, S_out, h, Q, T)
         error = v[p, 0, r].copy()  # (c,): S'^T k, then beta (v - S'^T k)
         for t in range(T):
-            gates = decay[p * dp, t * dt, r * dq]
-            state = S_out[h] if (T - 1 - t) % 2 == 0 else spare
-            error[:] = 0
-            for i in range(m):
-                key = gates[i * di] * k[p, t, r, i]
-                row = source[i]
-                for j in range(c):
-                    error[j] += key * row[j]
-            b = beta[p, t, r, 0]
-            value = v[p, t, r]
-            for j in range(c):
+            gates, key = _gates(decay, p, t, r), k[p, t, r]
+            _read(source, key, error, gates)
+            b, value = beta[p, t, r, 0], v[p, t, r]
+            for j in range(error.shape[0]):
                 error[j] = b * (value[j] - error[j])
-            o = out[p, t, r]
-            o[:] = 0
-            for i in range(m):
-                a = gates[i * di]
-                ki = k[p, t, r, i]
-                qi = q[p, t, r, i]
-                row = source[i]
-                new = state[i]
-                for j in range(c):
-                    x = a * row[j] + ki * error[j]
-                    new[j] = x
-                    o[j] += qi * x
+            state = _buffer(S_out, spare, h, T, t)
+            _decay_and_add(source, state, out[p, t, r], gates, key, q[p, t, r], error)
             source = state
 
 
@@ -110,38 +89,17 @@ def linear_tokens(
     as for :func:`delta_tokens`, ``S`` ``(n, m, c)`` and ``z`` ``(n, m)`` read; ``out``
     ``(P, T, Q, c)`` (the numerators ``S_t^T q``), ``S_out``, ``z_out`` and ``den``
     ``(P, T, Q, 1)`` (the normalizers ``z_t^T q``) written."""
-    T, Q, m = k.shape[1:]
-    c = v.shape[3]
-    dp, dt = int(decay.shape[0] > 1), int(decay.shape[1] > 1)  # broadcast axes read at 0
-    dq, di = int(decay.shape[2] > 1), int(decay.shape[3] > 1)
+    T, Q = k.shape[1:3]
     for h in range(lo, hi):
-        p, r = h // Q, h % Q
-        source = S[h]
-        spare = S_out[h] if T == 1 else S_out[h].copy()  # the other buffer (module docstring)
-        z_source = z[h]
-        z_state = z_out[h]
+        p, r, source, spare = _head(S, S_out, h, Q, T)
+        z_source, z_state = z[h], z_out[h]
         for t in range(T):
-            gates = decay[p * dp, t * dt, r * dq]
-            state = S_out[h] if (T - 1 - t) % 2 == 0 else spare
-            value = v[p, t, r]
-            o = out[p, t, r]
-            o[:] = 0
-            total = 0 * z_source[0]
-            for i in range(m):
-                a = gates[i * di]
-                ki = k[p, t, r, i]
-                qi = q[p, t, r, i]
-                z_state[i] = ki + a * z_source[i]
-                total += qi * z_state[i]
-                row = source[i]
-                new = state[i]
-                for j in range(c):
-                    x = a * row[j] + ki * value[j]
-                    new[j] = x
-                    o[j] += qi * x
-            den[p, t, r, 0] = total
-            source = state
-            z_source = z_state
+            state = _buffer(S_out, spare, h, T, t)
+            den[p, t, r, 0] = _decay_and_add(
+                source, state, out[p, t, r], _gates(decay, p, t, r), k[p, t, r], q[p, t, r],
+                v[p, t, r], z_source, z_state,
+            )
+            source, z_source = state, z_state
 
 
 def dplr_tokens(
@@ -153,38 +111,90 @@ def dplr_tokens(
     ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q, c)`` and ``S_out`` written. ``a^T S`` is
     read before the decay."""
     T, Q, m = k.shape[1:]
-    c = v.shape[3]
-    dp, dt = int(decay.shape[0] > 1), int(decay.shape[1] > 1)  # broadcast axes read at 0
-    dq, di = int(decay.shape[2] > 1), int(decay.shape[3] > 1)
     for h in range(lo, hi):
-        p, r = h // Q, h % Q
-        source = S[h]
-        spare = S_out[h] if T == 1 else S_out[h].copy()  # the other buffer (module docstring)
+        p, r, source, spare = _head(S, S_out, h, Q, T)
         read = v[p, 0, r].copy()  # (c,): a^T S
         for t in range(T):
-            gates = decay[p * dp, t * dt, r * dq]
-            state = S_out[h] if (T - 1 - t) % 2 == 0 else spare
-            read[:] = 0
-            for i in range(m):
-                ai = a[p, t, r, i]
-                row = source[i]
-                for j in range(c):
-                    read[j] += ai * row[j]
-            value = v[p, t, r]
-            o = out[p, t, r]
+            gates, key, query = _gates(decay, p, t, r), k[p, t, r], q[p, t, r]
+            _read(source, a[p, t, r], read)
+            value, o, low = v[p, t, r], out[p, t, r], b[p, t, r]
+            state = _buffer(S_out, spare, h, T, t)
             o[:] = 0
             for i in range(m):
-                ai = gates[i * di]
-                bi = b[p, t, r, i]
-                ki = k[p, t, r, i]
-                qi = q[p, t, r, i]
-                row = source[i]
-                new = state[i]
-                for j in range(c):
-                    x = (ai * row[j] + bi * read[j]) + ki * value[j]
+                gate, bi, ki, qi = _gate(gates, i), low[i], key[i], query[i]
+                row, new = source[i], state[i]
+                for j in range(value.shape[0]):
+                    x = (gate * row[j] + bi * read[j]) + ki * value[j]
                     new[j] = x
                     o[j] += qi * x
             source = state
+
+
+# The kernels' shared pieces: plain functions that the kernels call, compiled by Numba in their
+# place before the first kernel compiles (:func:`_compile_pieces`).
+
+
+def _head(S: Any, S_out: Any, h: int, Q: int, T: int) -> tuple[int, int, Any, Any]:
+    """State ``h``'s token row ``(p, r)``, its state read, and its spare buffer: its result
+    ``S_out[h]`` for one token, else a second buffer (module docstring)."""
+    spare = S_out[h] if T == 1 else S_out[h].copy()
+    return h // Q, h % Q, S[h], spare
+
+
+def _buffer(S_out: Any, spare: Any, h: int, T: int, t: int) -> Any:
+    """The buffer that token ``t`` writes: they alternate, the last token's is ``S_out[h]``."""
+    return S_out[h] if (T - 1 - t) % 2 == 0 else spare
+
+
+def _gates(decay: Any, p: int, t: int, r: int) -> Any:
+    """The decay factors of state ``(p, r)`` at token ``t`` (an axis of length 1 broadcast)."""
+    P, T, Q = decay.shape[:3]
+    return decay[p if P > 1 else 0, t if T > 1 else 0, r if Q > 1 else 0]
+
+
+def _gate(gates: Any, i: int) -> Any:
+    """Key channel ``i``'s factor in ``gates`` (one factor shared by every channel)."""
+    return gates[i if gates.shape[0] > 1 else 0]
+
+
+def _read(source: Any, weights: Any, into: Any, gates: Any = None) -> None:
+    """``into = source^T weights``: the rows of the state ``(m, c)`` weighted and summed (each
+    weight times its gate, where ``gates`` are given)."""
+    into[:] = 0
+    for i in range(source.shape[0]):
+        weight, row = weights[i], source[i]
+        if gates is not None:
+            weight = _gate(gates, i) * weight
+        for j in range(into.shape[0]):
+            into[j] += weight * row[j]
+
+
+def _decay_and_add(
+    source: Any, state: Any, out: Any, gates: Any, key: Any, query: Any, value: Any,
+    z_source: Any = None, z_state: Any = None,
+) -> Any:
+    """``state = diag(gates) source + key value^T`` and ``out = state^T query``, row by row:
+    each row written once and read once more for the output while it is in registers. With
+    linear attention's normalizer ``z`` also ``z_state = diag(gates) z_source + key``, and
+    ``z_state^T query`` returned (its sum in the same loop: a loop of its own waited on each
+    addition, GLA's loop 1.13-1.22x slower)."""
+    out[:] = 0
+    total = 0 * out[0]
+    for i in range(source.shape[0]):
+        gate, ki, qi = _gate(gates, i), key[i], query[i]
+        if z_state is not None:
+            z_state[i] = ki + gate * z_source[i]
+            total += qi * z_state[i]
+        row, new = source[i], state[i]
+        for j in range(value.shape[0]):
+            x = gate * row[j] + ki * value[j]
+            new[j] = x
+            out[j] += qi * x
+    return total
+
+
+_PIECES = ("_head", "_buffer", "_gates", "_gate", "_read", "_decay_and_add")
+_LOOPS = ("_read", "_decay_and_add")  # compiled apart: see _compile_pieces
 
 
 _KERNELS: dict[str, Callable[..., None]] = {
@@ -220,7 +230,20 @@ def kernel(name: str) -> Callable[..., None] | None:
     numba = _numba()
     if numba is None:
         return None
+    _compile_pieces(numba)
     return numba.njit(cache=True, nogil=True, fastmath={"contract"})(_KERNELS[name])
+
+
+@cache
+def _compile_pieces(numba: Any) -> None:
+    """Put the kernels' shared pieces (:data:`_PIECES`) in this module compiled by ``numba``,
+    in place of their plain functions: Numba resolves a kernel's global names when it compiles
+    it, and calls compiled functions only. Compiled apart (not inlined into the kernel's Numba
+    code, which took GLA's loop from 20 to 25-28 ms), they run as fast as the loops written
+    out. Called from Python the compiled pieces do what the plain ones do."""
+    for name in _PIECES:
+        inline = "never" if name in _LOOPS else "always"
+        globals()[name] = numba.njit(inline=inline, fastmath={"contract"})(globals()[name])
 
 
 def _views(S: Any, arrays: list[Any]) -> list[Any] | None:
