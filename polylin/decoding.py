@@ -6,6 +6,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
+from ._backend.compiled_step import CompiledStep, compiled_step
 from ._backend.fused import StepRows, fused_step_rows
 from ._backend.namespace import is_array
 from ._forms.linear.recurrent import recurrent_step
@@ -142,6 +143,7 @@ class _StepPlan(NamedTuple):
     broadcast_state: bool  # a given state has fewer leading dimensions than the batch
     fixed_decay: Any  # the log decay of a number or None (the same at every call), or PER_CALL
     fused_rows: StepRows | None  # PyTorch, a state per token row: ``fused_step_rows`` found once
+    compiled: CompiledStep | None  # NumPy, PyTorch CPU: the kernel for this signature
 
 
 def _plan_step(
@@ -182,6 +184,14 @@ def _plan_step(
     if gate is not None:
         shapes.append(tuple(gate.shape))
     fused = fused_step_rows(q_t, inputs.batch_shape, *shapes)
+    shared = state is not None and (tuple(state[0].shape), tuple(state[1].shape)) != (
+        tuple(S.shape), tuple(z.shape))  # fmt: skip
+    compiled = None
+    if mask is None and state is not None and not shared:  # the state as given
+        compiled = compiled_step(
+            "linear", [fq, fk, v_t], log_decay if is_array(log_decay) else decay, S, z,
+            log=True, scale=scale, eps=eps if normalize else None,
+        )  # fmt: skip
     plan = _StepPlan(
         inputs,
         map_query,
@@ -191,10 +201,10 @@ def _plan_step(
         scale,
         None if mask is None else tuple(mask.shape),
         (tuple(S.shape), tuple(z.shape)),
-        state is not None
-        and (tuple(state[0].shape), tuple(state[1].shape)) != (tuple(S.shape), tuple(z.shape)),
+        shared,
         PER_CALL if is_array(log_decay) else decay,
         fused,
+        compiled,
     )
     return plan, (fq, fk)
 
@@ -214,6 +224,12 @@ def _run_step(
     features the checks computed)."""
     inputs = plan.inputs
     xp = inputs.xp
+    if plan.compiled is not None:  # no mask, the state as given
+        fq, fk = checked or map_features(inputs, plan.map_query, plan.map_key, q_t, k_t)
+        decay = log_decay if plan.fixed_decay is PER_CALL else plan.fixed_decay
+        done = plan.compiled([fq, fk, v_t], decay, *state)  # type: ignore[misc]
+        if done is not None:
+            return done[0], LinearAttentionState(*done[1:])
     mask = None
     if attention_mask is not None:  # masked rows take zeros, before and after the map
         mask = xp.reshape(attention_mask, plan.mask_shape)

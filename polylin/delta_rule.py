@@ -26,7 +26,9 @@ from ._inputs.sequences import (
     StepPlan,
     check_scale,
     log_decay_shape,
+    planned_compiled,
     planned_decay,
+    run_compiled,
     run_sequences,
     shaped_log_decay,
     step_decay,
@@ -368,6 +370,11 @@ def _plan_step(
         arrays = [q_t, k_t, v_t, beta_t if is_array(beta_t) else beta]
         arrays += [x for x in (log_decay if is_array(log_decay) else decay,) if x is not None]
         fused = fused_step_rows(q_t, batch, *(tuple(x.shape) for x in arrays))
+    beta_given = beta_t if is_array(beta_t) else beta
+    compiled = planned_compiled(
+        "delta", [q_t, k_t, v_t, beta_given], log_decay, decay, state, (*batch, d_k, d_v),
+        as_given=as_given, scale=scale, scale_output=True, l2norm=qk_l2norm,
+    )  # fmt: skip
     plan = StepPlan(
         inputs,
         scale,
@@ -377,6 +384,7 @@ def _plan_step(
         qk_l2norm,
         as_given,
         fused,
+        compiled,
     )
     return plan, None
 
@@ -396,6 +404,9 @@ def _run_step(
     inputs = plan.inputs
     xp = inputs.xp
     (beta,) = plan.coefficients
+    done = run_compiled(plan, [q_t, k_t, v_t, beta_t if beta is None else beta], log_decay, state)
+    if done is not None:  # NumPy, PyTorch CPU: the kernel, prepared for this signature
+        return done
     if plan.as_given:
         q, k, v = q_t, k_t, v_t
         if beta is None:

@@ -27,7 +27,9 @@ from ._inputs.sequences import (
     StepPlan,
     check_scale,
     log_decay_shape,
+    planned_compiled,
     planned_decay,
+    run_compiled,
     run_sequences,
     shaped_log_decay,
     step_decay,
@@ -346,9 +348,14 @@ def _plan_step(
         arrays = [q_t, k_t, v_t, a_t, b_t]
         arrays += [x for x in (log_decay if is_array(log_decay) else decay,) if x is not None]
         fused = fused_step_rows(q_t, batch, *(tuple(x.shape) for x in arrays))
+    compiled = planned_compiled(
+        "dplr", [q_t, k_t, v_t, a_t, b_t], log_decay, decay, state, (*batch, d_k, d_v),
+        as_given=as_given, scale=scale,
+    )  # fmt: skip
     plan = StepPlan(
-        inputs, scale, (*batch, d_k, d_v), decay, (), as_given=as_given, fused_rows=fused
-    )
+        inputs, scale, (*batch, d_k, d_v), decay, (), as_given=as_given, fused_rows=fused,
+        compiled=compiled,
+    )  # fmt: skip
     return plan, None
 
 
@@ -365,6 +372,9 @@ def _run_step(
     checked: None = None,
 ) -> tuple[Array, Array]:
     """:func:`dplr_delta_rule_step`'s arithmetic on arguments of the plan's signature."""
+    done = run_compiled(plan, [q_t, k_t, v_t, a_t, b_t], log_decay, state)
+    if done is not None:  # NumPy, PyTorch CPU: the kernel, prepared for this signature
+        return done
     inputs = plan.inputs
     if plan.as_given:
         q, k, v, a, b = q_t, k_t, v_t, a_t, b_t

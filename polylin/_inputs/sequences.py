@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from itertools import pairwise
 from typing import Any, NamedTuple
 
+from .._backend.compiled_step import CompiledStep, compiled_step
 from .._backend.denormals import flushing_denormals
 from .._backend.execution import check_static
 from .._backend.fused import StepRows
@@ -36,7 +37,9 @@ __all__ = [
     "StepPlan",
     "check_scale",
     "log_decay_shape",
+    "planned_compiled",
     "planned_decay",
+    "run_compiled",
     "run_sequences",
     "shaped_log_decay",
     "step_decay",
@@ -111,6 +114,9 @@ class StepPlan(NamedTuple):
     #: PyTorch, arrays as given with the state's leading dimensions or broadcasting against
     #: them: what ``_backend.fused.fused_delta_step(rows=)`` needs, found once; else ``None``.
     fused_rows: StepRows | None = None
+    #: NumPy arrays or PyTorch CPU tensors as given, the kernels installed: the step on a
+    #: compiled kernel for this signature (``_backend.compiled_step``); else ``None``.
+    compiled: Any = None
 
 
 def used_as_given(inputs: AttentionInputs, *arrays: tuple[Any, tuple | None]) -> bool:
@@ -153,6 +159,28 @@ def step_decay(plan: StepPlan, log_decay: Any) -> Any | None:
     per_token = (*plan.state_shape[:-2], 1)
     g = _explicit_channels(inputs, log_decay_values(inputs, log_decay, explicit=1), per_token)
     return inputs.xp.exp(g)
+
+
+def planned_compiled(
+    name: str, tokens: list[Any], log_decay: Any, decay: Any, state: Any, state_shape: tuple,
+    *, as_given: bool, **options: Any,
+) -> CompiledStep | None:
+    """:attr:`StepPlan.compiled` for a step of kernel ``name`` whose checked arguments are
+    used as given, with a state of the plan's shape: ``tokens`` the kernel's per-token arrays
+    (the plan's arrays for numbers), ``decay`` the plan's (:func:`planned_decay`)."""
+    if not as_given or state is None or tuple(state.shape) != state_shape:
+        return None
+    per_call = decay is PER_CALL
+    given = log_decay if per_call else decay
+    return compiled_step(name, tokens, given, state, log=per_call, **options)
+
+
+def run_compiled(plan: StepPlan, tokens: list[Any], log_decay: Any, state: Any) -> Any:
+    """The plan's compiled step on this call's arrays, or ``None`` where it has none or the
+    call cannot run on it (:class:`~polylin._backend.compiled_step.CompiledStep`)."""
+    if plan.compiled is None:
+        return None
+    return plan.compiled(tokens, log_decay if plan.decay is PER_CALL else plan.decay, state)
 
 
 def step_state(plan: StepPlan, state: Any) -> Any:
