@@ -365,7 +365,7 @@ class _Layout:
         numpy, lead, width = self.numpy, self.lead, x.shape[-1]
         want = lead if self.step else (*lead, rows)
         if x.shape[:-1] != want:
-            if not _broadcasts(x.shape[:-1], want):
+            if not broadcasts(x.shape[:-1], want):
                 return None
             x = numpy.broadcast_to(x, (*want, width))
         if not self.step:
@@ -438,6 +438,6 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
-def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
+def broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
     """Whether the leading dimensions ``shape`` broadcast to ``to`` (never the other way)."""
     return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(shape[::-1], to[::-1]))

@@ -76,6 +76,8 @@ def compiled_step(
         except (RuntimeError, TypeError):
             return None
         numpy = loaded_numpy()
+    if numpy is None:
+        return None
     dtype = next(iter(dtypes))
     if len(dtypes) != 1 or str(dtype).rpartition(".")[2] not in ("float32", "float64"):
         return None
@@ -100,9 +102,7 @@ def _token_shape(shape: tuple, lead: tuple, *, shared: bool = False) -> tuple | 
     if not shape:
         return None
     within, width = shape[:-1], shape[-1]
-    if len(within) > len(lead) or not all(
-        a in (1, b) for a, b in zip(within[::-1], lead[::-1])
-    ):  # fmt: skip
+    if not compiled.broadcasts(within, lead):
         return None
     n = math.prod(lead)
     if within == lead:
@@ -120,8 +120,8 @@ class CompiledStep:
     by ``torch.func`` or ``torch.compile``): the caller's general path runs then."""
 
     __slots__ = (
-        "_decay_shape", "_dtype", "_eps", "_l2norm", "_lead", "_linear", "_log", "_numpy",
-        "_name", "_ones", "_scale", "_scale_output", "_shapes", "_state", "_tensors",
+        "_decay_shape", "_dtype", "_eps", "_l2norm", "_lead", "_linear", "_log", "_name",
+        "_numpy", "_ones", "_scale", "_scale_output", "_shapes", "_state", "_tensors",
     )  # fmt: skip
 
     def __init__(
