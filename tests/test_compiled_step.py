@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import polylin
-from polylin._backend import compiled
+
+from .test_compiled import _without_kernels  # the array-API step
 
 pytest.importorskip("numba")
 torch = pytest.importorskip("torch")
@@ -104,16 +105,6 @@ def _leaves(x: Any) -> list[Any]:
     return [x]
 
 
-def _general(run: Callable[[], Any]) -> Any:
-    """``run()`` with the kernels turned off: the array-API step."""
-    real = compiled.kernel
-    compiled.kernel = lambda name: None  # type: ignore[assignment]
-    try:
-        return run()
-    finally:
-        compiled.kernel = real  # type: ignore[assignment]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("library", ["numpy", "torch"])
 @pytest.mark.parametrize(("family", "option"), CASES)
@@ -127,7 +118,7 @@ def test_the_compiled_step_gives_the_array_api_steps_numbers(
     got = call(x)
     got_again = call(x)  # the plan's second call
     assert step._plan.compiled is not None
-    want = _general(lambda: STEPS[family](dict(options))[1](x))
+    want = _without_kernels(lambda: STEPS[family](dict(options))[1](x))
     for g, again, w in zip(_leaves(got), _leaves(got_again), _leaves(want), strict=True):
         assert type(g) is type(w) and g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_array_equal(_plain(g), _plain(again))
