@@ -16,16 +16,20 @@ Each head's state alternates between two buffers from token to token (its row ``
 one, written to the other): where a loop read and wrote the same row, the compiler could not
 prove the two apart and left it unvectorized (GLA's loop at 32 heads x 64, T = 512: 70 ms
 against 16 ms). Multiply-adds may be fused (``fastmath={"contract"}``, nothing reassociated:
-11 ms). The functions are plain Python over arrays (a reference anyone can read), sharing their
-pieces (a head's buffers, its gates, the weighted read of a state, the decay-and-add with its
-read-out), and are compiled with ``numba.njit`` at their first use (:func:`kernel`; cached on
-disk where the package folder or Numba's cache folder is writable). Numba is optional: without
-it, or with the environment variable ``POLYLIN_COMPILED=0``, :func:`compiled_tokens` answers
-``None`` and the array-API forms run. Only NumPy arrays and PyTorch CPU tensors without a
-gradient to record qualify (:func:`compiled_tokens`): Numba reads them as NumPy arrays that
-share their memory. The kernels read the per-token arrays where the caller laid them out,
-token-major or head-major (:class:`_Layout`), and a long call's states are split between
-threads (:data:`PART_SIZE`). This module imports no array library (rule 1 of ARCHITECTURE.md):
+11 ms). The delta rules' loops sum the next token's read of the state (``S'^T k``,
+RWKV-7's ``a^T S``) in the pass that writes the state, each new entry added as it is written:
+a token is one pass over its state, not two (the same sums in the same order, so the same bits;
+0.82-0.95x the two-pass loop's time at T = 512). The functions are plain Python over arrays (a
+reference anyone can read), sharing their pieces (a head's buffers, its gates, the weighted
+read of a state, the decay-and-add with its read-out), and are compiled with ``numba.njit`` at
+their first use (:func:`kernel`; cached on disk where the package folder or Numba's cache
+folder is writable). Numba is optional: without it, or with the environment variable
+``POLYLIN_COMPILED=0``, :func:`compiled_tokens` answers ``None`` and the array-API forms run.
+Only NumPy arrays and PyTorch CPU tensors without a gradient to record qualify
+(:func:`compiled_tokens`): Numba reads them as NumPy arrays that share their memory. The
+kernels read the per-token arrays where the caller laid them out, token-major or head-major
+(:class:`_Layout`), and a long call's states are split between threads (:data:`PART_SIZE`).
+This module imports no array library (rule 1 of ARCHITECTURE.md):
 a tensor's NumPy view is made by the tensor's own library, and the results are allocated by the
 NumPy that the arrays' views show to be imported.
 """
@@ -70,14 +74,23 @@ def delta_tokens(
     for h in range(lo, hi):
         p, r, source, spare = _head(S, S_out, h, Q, T)
         error = v[p, 0, r].copy()  # (c,): S'^T k, then beta (v - S'^T k)
+        ahead = v[p, 0, r].copy()  # (c,): the next token's S'^T k, summed as S_t is written
+        _read(source, k[p, 0, r], error, _gates(decay, p, 0, r))
         for t in range(T):
             gates, key = _gates(decay, p, t, r), k[p, t, r]
-            _read(source, key, error, gates)
             b, value = beta[p, t, r, 0], v[p, t, r]
             for j in range(error.shape[0]):
                 error[j] = b * (value[j] - error[j])
             state = _buffer(S_out, spare, h, T, t)
-            _decay_and_add(source, state, out[p, t, r], gates, key, q[p, t, r], error)
+            if t + 1 < T:
+                _decay_and_add(
+                    source, state, out[p, t, r], gates, key, q[p, t, r], error,
+                    ahead=ahead, ahead_weights=k[p, t + 1, r],
+                    ahead_gates=_gates(decay, p, t + 1, r),
+                )  # fmt: skip
+                error, ahead = ahead, error
+            else:
+                _decay_and_add(source, state, out[p, t, r], gates, key, q[p, t, r], error)
             source = state
 
 
@@ -110,23 +123,22 @@ def dplr_tokens(
     a, b`` ``(P, T, Q, m)``, ``v`` ``(P, T, Q, c)``, ``decay`` as for :func:`delta_tokens`,
     ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q, c)`` and ``S_out`` written. ``a^T S`` is
     read before the decay."""
-    T, Q, m = k.shape[1:]
+    T, Q = k.shape[1:3]
     for h in range(lo, hi):
         p, r, source, spare = _head(S, S_out, h, Q, T)
         read = v[p, 0, r].copy()  # (c,): a^T S
+        ahead = v[p, 0, r].copy()  # (c,): the next token's a^T S, summed as S_t is written
+        _read(source, a[p, 0, r], read)
         for t in range(T):
             gates, key, query = _gates(decay, p, t, r), k[p, t, r], q[p, t, r]
-            _read(source, a[p, t, r], read)
             value, o, low = v[p, t, r], out[p, t, r], b[p, t, r]
             state = _buffer(S_out, spare, h, T, t)
-            o[:] = 0
-            for i in range(m):
-                gate, bi, ki, qi = _gate(gates, i), low[i], key[i], query[i]
-                row, new = source[i], state[i]
-                for j in range(value.shape[0]):
-                    x = (gate * row[j] + bi * read[j]) + ki * value[j]
-                    new[j] = x
-                    o[j] += qi * x
+            if t + 1 < T:
+                _dplr_rows(source, state, o, gates, key, query, value, low, read, ahead,
+                           a[p, t + 1, r])  # fmt: skip
+                read, ahead = ahead, read
+            else:
+                _dplr_rows(source, state, o, gates, key, query, value, low, read)
             source = state
 
 
@@ -171,14 +183,19 @@ def _read(source: Any, weights: Any, into: Any, gates: Any = None) -> None:
 
 def _decay_and_add(
     source: Any, state: Any, out: Any, gates: Any, key: Any, query: Any, value: Any,
-    z_source: Any = None, z_state: Any = None,
+    z_source: Any = None, z_state: Any = None, ahead: Any = None, ahead_weights: Any = None,
+    ahead_gates: Any = None,
 ) -> Any:
     """``state = diag(gates) source + key value^T`` and ``out = state^T query``, row by row:
     each row written once and read once more for the output while it is in registers. With
     linear attention's normalizer ``z`` also ``z_state = diag(gates) z_source + key``, and
     ``z_state^T query`` returned (its sum in the same loop: a loop of its own waited on each
-    addition, GLA's loop 1.13-1.22x slower)."""
+    addition, GLA's loop 1.13-1.22x slower). With ``ahead``, also the next token's read
+    ``ahead = state^T (ahead_gates * ahead_weights)`` (:func:`_read` of the new state, the same
+    sums in the same order), so that a token costs one pass over its state, not two."""
     out[:] = 0
+    if ahead is not None:
+        ahead[:] = 0
     total = 0 * out[0]
     for i in range(source.shape[0]):
         gate, ki, qi = _gate(gates, i), key[i], query[i]
@@ -186,15 +203,50 @@ def _decay_and_add(
             z_state[i] = ki + gate * z_source[i]
             total += qi * z_state[i]
         row, new = source[i], state[i]
-        for j in range(value.shape[0]):
-            x = gate * row[j] + ki * value[j]
-            new[j] = x
-            out[j] += qi * x
+        if ahead is None:
+            for j in range(value.shape[0]):
+                x = gate * row[j] + ki * value[j]
+                new[j] = x
+                out[j] += qi * x
+        else:
+            wi = _gate(ahead_gates, i) * ahead_weights[i]
+            for j in range(value.shape[0]):
+                x = gate * row[j] + ki * value[j]
+                new[j] = x
+                out[j] += qi * x
+                ahead[j] += wi * x
     return total
 
 
-_PIECES = ("_head", "_buffer", "_gates", "_gate", "_read", "_decay_and_add")
-_LOOPS = ("_read", "_decay_and_add")  # compiled apart: see _compile_pieces
+def _dplr_rows(
+    source: Any, state: Any, out: Any, gates: Any, key: Any, query: Any, value: Any, low: Any,
+    read: Any, ahead: Any = None, ahead_weights: Any = None,
+) -> None:
+    """RWKV-7's ``state = diag(gates) source + low read^T + key value^T`` and ``out = state^T
+    query``, row by row; with ``ahead``, also the next token's ``ahead = state^T
+    ahead_weights`` (as :func:`_decay_and_add`)."""
+    out[:] = 0
+    if ahead is not None:
+        ahead[:] = 0
+    for i in range(source.shape[0]):
+        gate, bi, ki, qi = _gate(gates, i), low[i], key[i], query[i]
+        row, new = source[i], state[i]
+        if ahead is None:
+            for j in range(value.shape[0]):
+                x = (gate * row[j] + bi * read[j]) + ki * value[j]
+                new[j] = x
+                out[j] += qi * x
+        else:
+            wi = ahead_weights[i]
+            for j in range(value.shape[0]):
+                x = (gate * row[j] + bi * read[j]) + ki * value[j]
+                new[j] = x
+                out[j] += qi * x
+                ahead[j] += wi * x
+
+
+_PIECES = ("_head", "_buffer", "_gates", "_gate", "_read", "_decay_and_add", "_dplr_rows")
+_LOOPS = ("_read", "_decay_and_add", "_dplr_rows")  # compiled apart: see _compile_pieces
 
 
 _KERNELS: dict[str, Callable[..., None]] = {
