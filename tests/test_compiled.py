@@ -241,6 +241,31 @@ def test_every_layout_of_the_tokens_gives_the_same_bits(name: str) -> None:
     assert np.moveaxis(results["token-major"][0], 2, 1).flags.c_contiguous
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+@pytest.mark.parametrize("name", ["delta", "linear", "dplr"])
+def test_a_sequence_gives_the_bits_of_its_steps(name: str, gate: str, dtype: str) -> None:
+    """A loop over T tokens (the delta rules: each token's read of the state summed in the
+    previous token's pass) gives the bits of T one-token calls, each reading its state anew."""
+    x = _inputs("numpy", dtype, gate)
+    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
+             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
+    tokens = [x[n].transpose(0, 2, 1, 3) for n in names]  # (B, H, T, w)
+    decay = np.exp(x["g"].transpose(0, 2, 1, 3)) if gate != "none" else None
+    S, z = x["S"], (x["S"][..., 0] if name == "linear" else None)
+    whole = compiled.compiled_tokens(name, tokens, decay, S, z, step=False)
+    outputs = []
+    for t in range(T):
+        at = None if decay is None else decay[:, :, t]
+        done = compiled.compiled_tokens(name, [a[:, :, t] for a in tokens], at, S, z, step=True)
+        S, z = done[1], (done[2] if name == "linear" else None)
+        outputs.append(done[0])
+    np.testing.assert_array_equal(whole[0], np.stack(outputs, axis=-2))
+    np.testing.assert_array_equal(whole[1], S)
+    if name == "linear":
+        np.testing.assert_array_equal(whole[2], z)
+
+
 @pytest.mark.parametrize("library", ["numpy", "torch"])
 def test_states_split_between_threads_give_the_same_bits(
     monkeypatch: pytest.MonkeyPatch, library: str
