@@ -291,3 +291,53 @@ def test_the_kernels_run_as_plain_python_give_the_compiled_numbers(
     want = FAMILIES[family](x, "recurrent")
     monkeypatch.setattr(compiled, "kernel", lambda name: compiled._KERNELS[name])
     _close(FAMILIES[family](x, "recurrent"), want, "float64")
+
+
+def _gates(dtype: str, n: int = 4096) -> np.ndarray:
+    """Log decays over float32's whole range, with its edges: NaN, the infinities, values
+    above 0, -0, and values around log of the least normal number (-87.34)."""
+    rng = np.random.default_rng(3)
+    g = np.concatenate([
+        [np.nan, np.inf, -np.inf, 3.0, -0.0, 1e-30, -1e-30, -87.3, -87.34, -90.0, -200.0],
+        -rng.uniform(0, 1, n // 2), -rng.uniform(0, 100, n // 2),
+    ]).astype(dtype)  # fmt: skip
+    g.flags.writeable = False  # never written
+    return g[: len(g) // 3 * 3].reshape(-1, 1, 3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_decay_factors_are_the_clamped_exponential(dtype: str) -> None:
+    """``exp(min(g, 0))``: float32 from the compiled pass, within 1.5 x 2^-24 of the exact
+    value (NumPy's float32 ``exp``: 3.4 x 2^-24) down to float32's least normal number and 0
+    below it; float64 NumPy's own."""
+    g = _gates(dtype)
+    got = compiled.decay_factors(g)
+    assert got.dtype == g.dtype and got.shape == g.shape and got is not g
+    exact = np.exp(np.minimum(g.astype(np.longdouble), 0))
+    if dtype == "float64":
+        np.testing.assert_array_equal(got, np.exp(np.minimum(g, 0.0)))
+        return
+    normal = np.isfinite(exact) & (g > -87.33)
+    error = np.abs(got[normal] - exact[normal]) / exact[normal]
+    assert error.max() <= 1.5 * 2.0**-24
+    assert np.isnan(got[np.isnan(g)]).all()
+    assert (got[g >= 0] == 1).all() and (got[g <= -87.34] == 0).all()
+
+
+def test_decay_factors_of_a_few_gates_are_numpys() -> None:
+    """Fewer than ``EXP_BLOCK`` gates (a scalar gate per head): NumPy's ``exp``, the same bits
+    as the array-API step's."""
+    g = _gates("float32")[:20]
+    np.testing.assert_array_equal(compiled.decay_factors(g), np.exp(np.minimum(g, 0.0)))
+
+
+def test_the_gates_exponential_runs_as_plain_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`compiled.exp_gates` is its own reference: run as Python, the compiled numbers
+    within a rounding (the compiled multiply-adds are fused)."""
+    g = _gates("float32", 600).reshape(-1)
+    want = compiled.decay_factors(g)
+    monkeypatch.setattr(compiled, "_NUMPY", np)
+    got = np.empty_like(g)
+    with np.errstate(invalid="ignore", over="ignore"):
+        compiled.exp_gates(g, got, compiled._exp_constants(np))
+    np.testing.assert_allclose(got, want, rtol=3 * 2.0**-24, atol=0)

@@ -23,8 +23,10 @@ a token is one pass over its state, not two (the same sums in the same order, so
 reference anyone can read), sharing their pieces (a head's buffers, its gates, the weighted
 read of a state, the decay-and-add with its read-out), and are compiled with ``numba.njit`` at
 their first use (:func:`kernel`; cached on disk where the package folder or Numba's cache
-folder is writable). Numba is optional: without it, or with the environment variable
-``POLYLIN_COMPILED=0``, :func:`compiled_tokens` answers ``None`` and the array-API forms run.
+folder is writable). The decay factors ``exp(min(g, 0))`` of log decays are one compiled pass
+too (:func:`exp_gates`, float32: 0.3x the time of NumPy's, 0.5x PyTorch's). Numba is optional:
+without it, or with the environment variable ``POLYLIN_COMPILED=0``, :func:`compiled_tokens`
+answers ``None`` and the array-API forms run.
 Only NumPy arrays and PyTorch CPU tensors without a gradient to record qualify
 (:func:`compiled_tokens`): Numba reads them as NumPy arrays that share their memory. The
 kernels read the per-token arrays where the caller laid them out, token-major or head-major
@@ -51,8 +53,10 @@ from .namespace import loaded_numpy, torch_module, torch_namespace_of
 __all__ = [
     "compiled_available",
     "compiled_tokens",
+    "decay_factors",
     "delta_tokens",
     "dplr_tokens",
+    "exp_gates",
     "kernel",
     "linear_tokens",
 ]
@@ -245,6 +249,93 @@ def _dplr_rows(
                 ahead[j] += wi * x
 
 
+def exp_gates(g: Any, out: Any, constants: Any) -> None:
+    """``out = exp(min(g, 0))`` over the float32 arrays ``g`` and ``out`` ``(n,)``: the decay
+    factors of log decays, as the kernels read them. ``constants``: :data:`EXP_CONSTANTS` as
+    float32 (typed constants: a float literal would make Numba compute in float64).
+
+    With ``y = min(g, 0)``, ``n = round(y / ln 2)`` and ``r = y - n ln 2`` (``|r| <= ln 2 / 2``,
+    ``ln 2`` in two parts so that ``n ln 2`` is exact), ``exp(y) = 2^n exp(r)``: ``exp(r)`` by
+    Cephes' ``expf`` polynomial, ``2^n`` written as the exponent bits of a float32 (an int32
+    buffer read as float32). Within 1.4 x 2^-24 of ``exp`` (NumPy's float32 ``exp``: 3.4 x 2^-24),
+    vectorized by the compiler (the loop has no calls): 0.7 ms for 2^20 gates on one Zen 3
+    core, against 2.6 ms for NumPy's ``exp(minimum(g, 0))`` and 1.5 ms for PyTorch's. ``g``
+    below ``log`` of float32's least normal number (-87.33) gives 0 (as a subnormal flushed to
+    zero), NaN stays NaN."""
+    zero, low, log2e, shifter, ln2_hi = (constants[0], constants[1], constants[2],
+                                         constants[3], constants[4])  # fmt: skip
+    ln2_lo, one, bias, exponent = constants[5], constants[6], constants[7], constants[8]
+    c0, c1, c2, c3, c4, c5 = (constants[9], constants[10], constants[11], constants[12],
+                              constants[13], constants[14])  # fmt: skip
+    # 2^n by blocks, its bits written as int32 and read as float32: a buffer allocated here,
+    # which the compiler sees is no argument (given as one, the loop ran 2.8x slower).
+    bits = _NUMPY.empty(EXP_BLOCK, _NUMPY.int32)
+    powers, block = bits.view(out.dtype), bits.shape[0]
+    for start in range(0, g.shape[0], block):
+        for j in range(start, min(start + block, g.shape[0])):
+            x = g[j]
+            y = x if x < zero else zero  # NaN too: put back below
+            y = y if y > low else low
+            n = (y * log2e + shifter) - shifter  # rounded to an integer by the shifter
+            r = (y - n * ln2_hi) - n * ln2_lo
+            p = ((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5
+            bits[j - start] = (n + bias) * exponent  # 2^n's bits: (n + 127) << 23
+            e = (p * r * r + r + one) * powers[j - start]
+            e = e if x > low else zero
+            out[j] = e if x == x else x
+
+
+#: The gates whose powers of two :func:`exp_gates` writes at a time.
+EXP_BLOCK = 256
+
+#: The NumPy module in :func:`exp_gates` (which allocates its buffer): the one loaded, set
+#: where the kernel is compiled (Numba imports NumPy).
+_NUMPY: Any = None
+
+#: :func:`exp_gates`' constants: 0, the least exponent, log2(e), the rounding shifter
+#: 1.5 x 2^23, ln 2 in two parts, 1, float32's exponent bias and its bits' place, then the
+#: polynomial's coefficients (Cephes' ``expf``).
+EXP_CONSTANTS = (
+    0.0, -87.33, 1.44269504, 12582912.0, 0.693359375, -2.12194440e-4, 1.0, 127.0, 8388608.0,
+    1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+    5.0000001201e-1,
+)  # fmt: skip
+
+
+def decay_factors(g: Any) -> Any:
+    """``exp(min(g, 0))`` of the NumPy array ``g`` (a new array): float32 on
+    :func:`exp_gates` where Numba runs (:func:`compiled_available`) and ``g`` has at least
+    :data:`EXP_BLOCK` entries, else NumPy's ``exp(minimum(g, 0))`` (for a few gates, a scalar
+    gate per head, NumPy's two calls cost less than the compiled one's)."""
+    numpy: Any = loaded_numpy()  # g is a NumPy array
+    run = _exp_kernel() if g.dtype == numpy.float32 and g.size >= EXP_BLOCK else None
+    if run is None:
+        factors = numpy.minimum(g, 0.0)
+        return numpy.exp(factors, out=factors)
+    out = numpy.empty(g.shape, dtype=g.dtype)
+    run(numpy.ascontiguousarray(g).reshape(-1), out.reshape(-1), _exp_constants(numpy))
+    return out
+
+
+@cache
+def _exp_kernel() -> Callable[..., None] | None:
+    """:func:`exp_gates` compiled, or ``None`` without Numba."""
+    global _NUMPY
+    numba = _numba()
+    if numba is None:
+        return None
+    _NUMPY = loaded_numpy()
+    return numba.njit(cache=True, nogil=True, fastmath={"contract"})(exp_gates)
+
+
+@cache
+def _exp_constants(numpy: Any) -> Any:
+    """:data:`EXP_CONSTANTS` as float32 (read only)."""
+    constants = numpy.array(EXP_CONSTANTS, dtype=numpy.float32)
+    constants.flags.writeable = False
+    return constants
+
+
 _PIECES = ("_head", "_buffer", "_gates", "_gate", "_read", "_decay_and_add", "_dplr_rows")
 _LOOPS = ("_read", "_decay_and_add", "_dplr_rows")  # compiled apart: see _compile_pieces
 
@@ -333,11 +424,13 @@ def _views(S: Any, arrays: list[Any]) -> list[Any] | None:
 
 def compiled_tokens(
     name: str, tokens: list[Any], decay: Any | None, S: Any, z: Any | None = None, *,
-    step: bool,
+    step: bool, log: bool = False,
 ) -> tuple[Any, ...] | None:
     """Kernel ``name`` (:func:`kernel`) over the per-token arrays ``tokens`` (in the kernel's
     order: ``q, k, v`` and ``beta`` or ``a, b``) and ``decay`` (``exp(g)``, or ``None``) from
-    the state ``S`` ``(..., m, c)`` (and ``z`` ``(..., m)`` for ``"linear"``).
+    the state ``S`` ``(..., m, c)`` (and ``z`` ``(..., m)`` for ``"linear"``). ``log``:
+    ``decay`` is the log decay ``g`` itself, its factors ``exp(min(g, 0))`` computed here
+    (:func:`decay_factors`: one compiled pass in float32).
 
     For one token (``step``) the arrays are ``(..., width)``, else ``(..., T, width)`` (the
     decay's ``T`` may be 1: shared by the tokens); their leading dimensions broadcast to the
@@ -374,6 +467,8 @@ def compiled_tokens(
         flat.append(layout.read(x, 1 if shared else T))
         if flat[-1] is None:
             return None
+    if log and decay is not None:
+        flat[-1] = decay_factors(flat[-1])
     if decay is None:
         flat.append(numpy.ones((1, 1, 1, 1), dtype=dtype))
     flat.append(numpy.ascontiguousarray(state.reshape(n, m, c)))

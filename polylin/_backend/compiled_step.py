@@ -188,9 +188,7 @@ class CompiledStep:
         return self._numpy.ascontiguousarray(x.reshape(flat))
 
     def _decay(self, x: Any) -> Any:
-        """The decay factors as the kernels read them: ``exp(min(g, 0))`` of a log decay."""
+        """The decay factors as the kernels read them: ``exp(min(g, 0))`` of a log decay
+        (``compiled.decay_factors``: one compiled pass in float32)."""
         x = self._read(x, self._decay_shape)  # type: ignore[arg-type]
-        if not self._log:
-            return x
-        factor = self._numpy.minimum(x, 0.0)
-        return self._numpy.exp(factor, out=factor)
+        return compiled.decay_factors(x) if self._log else x

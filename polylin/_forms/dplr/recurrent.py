@@ -40,10 +40,10 @@ def dplr_recurrent(
     T = q.shape[-2]
     if T == 0:
         return v[..., :0, :], S
-    decay = None if g is None else xp.exp(g)
-    done = compiled_tokens("dplr", [q, k, v, a, b], decay, S, step=False)  # one compiled loop
+    done = compiled_tokens("dplr", [q, k, v, a, b], g, S, step=False, log=True)  # one loop
     if done is not None:
         return done
+    decay = None if g is None else xp.exp(g)
     # One unstack per input (a single op for autograd) rather than a slice per token.
     qs, ks, vs, as_, bs = (unstack(xp, x, axis=-2) for x in (q, k, v, a, b))
     decays: list[Any] = [None] * T if decay is None else list(unstack(xp, decay, axis=-2))

@@ -86,9 +86,10 @@ def causal_recurrent(
     T = fq.shape[-2]
     if T == 0:  # the broadcast leading dimensions (grouped heads) are the state's
         return xp.broadcast_to(v, (*S.shape[:-2], *v.shape[-2:])), S, z
-    factor = None if log_decay is None else xp.exp(log_decay)
-    compiled = None if scanned else compiled_tokens("linear", [fq, fk, v], factor, S, z, step=False)
-    if compiled is not None:  # one compiled loop
+    compiled = None
+    if not scanned:  # one compiled loop
+        compiled = compiled_tokens("linear", [fq, fk, v], log_decay, S, z, step=False, log=True)
+    if compiled is not None:
         numerator, S, z, normalizer = compiled
         return (numerator / (normalizer + eps) if normalize else numerator), S, z
     if scanned:
