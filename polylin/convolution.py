@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, NamedTuple
 
+from ._backend.compiled_conv import compiled_conv
 from ._backend.depthwise import causal_taps
 from ._backend.namespace import device as device_of
 from ._backend.ops import cumulative_sum
@@ -214,7 +215,11 @@ def causal_conv1d(
     PyTorch's CPU in float32, from 16384 outputs (65536 with a gradient to record), PyTorch's
     own depthwise convolution sums the taps in one pass over the input instead, and the
     gradient of the inputs is that convolution too: 0.19x the forward time at Mamba-2's 3328
-    channels, 0.35x forward and backward (one thread).
+    channels, 0.35x forward and backward (one thread). On NumPy, where Numba is installed
+    (the ``compiled`` extra), one compiled pass computes each output from its inputs where
+    they lie, the state's or the sequence's, with the same sums (the same bits) and without
+    the masked case: 0.20x the time of the taps at 3328 channels, T = 512 (one thread; 0.13x
+    on two), and a decoding token's kernel 2 us against the taps' 18 us.
 
     Examples
     --------
@@ -255,9 +260,14 @@ def causal_conv1d(
         x = xp.where(keep, x, 0.0)
     x = inputs.to_work_dtype(x)
     w = inputs.to_work_dtype(weight)
-    ext = xp.concat([S, x], axis=-2) if width > 1 else x
-    # width shifted views of one array, combined once (linear in T, forward and backward)
-    out = causal_taps(xp, ext, w, None if bias is None else inputs.to_work_dtype(bias), T)
+    b = None if bias is None else inputs.to_work_dtype(bias)
+    compiled = None if keep is not None else compiled_conv(S, x, w, b)  # NumPy, torch CPU
+    if compiled is not None:  # one pass, the state's rows read where they are
+        out, ext = compiled
+    else:
+        ext = xp.concat([S, x], axis=-2) if width > 1 else x
+        # width shifted views of one array, combined once (linear in T, forward and backward)
+        out = causal_taps(xp, ext, w, b, T)
     if activation is not None:
         out = silu(out)
     if keep is not None:
@@ -268,6 +278,8 @@ def causal_conv1d(
         return out
     if width == 1:
         new_state = S if T else xp.asarray(S, copy=True)
+    elif compiled is not None:
+        new_state = ext  # the kernel's state after x
     elif keep is None:
         new_state = ext[..., T:, :]
     else:
@@ -385,13 +397,21 @@ def _run_step(
     if S is None:
         S = xp.zeros(plan.state_shape, dtype=inputs.work_dtype, device=inputs.device)
     x, w = inputs.to_work_dtype(x), inputs.to_work_dtype(weight)
+    b = None if bias is None else inputs.to_work_dtype(bias)
+    compiled = None if keep is not None else compiled_conv(S, x, w, b)  # NumPy, torch CPU
+    if compiled is not None:
+        out, new_state = compiled
+        out = out[..., 0, :]
+        if plan.activation is not None:
+            out = silu(out)
+        return (out if out.dtype == inputs.dtype else xp.astype(out, inputs.dtype)), new_state
     width = weight.shape[1]
     ext = xp.concat([S, x], axis=-2) if width > 1 else x
     # One product with the taps as rows and one sum over them: two operations on one token,
     # where the sequence form's shifted views take two per tap.
     out = xp.sum(ext * xp.matrix_transpose(w), axis=-2)
-    if bias is not None:
-        out = out + inputs.to_work_dtype(bias)
+    if b is not None:
+        out = out + b
     if plan.activation is not None:
         out = silu(out)
     out = out if out.dtype == inputs.dtype else xp.astype(out, inputs.dtype)

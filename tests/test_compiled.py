@@ -199,13 +199,13 @@ def test_an_empty_batch() -> None:
 
 def test_the_environment_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(compiled.ENVIRONMENT, "0")
-    compiled._numba.cache_clear()
+    compiled.numba_module.cache_clear()
     compiled.kernel.cache_clear()
     try:
         assert not compiled.compiled_available() and compiled.kernel("delta") is None
     finally:
         monkeypatch.delenv(compiled.ENVIRONMENT)
-        compiled._numba.cache_clear()
+        compiled.numba_module.cache_clear()
         compiled.kernel.cache_clear()
     assert compiled.compiled_available() and compiled.kernel("delta") is not None
 
@@ -273,10 +273,10 @@ def test_states_split_between_threads_give_the_same_bits(
     x = _inputs(library, "float32", "channel")
     one = FAMILIES["dplr"](x, "recurrent")
     monkeypatch.setattr(compiled, "PART_SIZE", 1)
-    monkeypatch.setattr(compiled, "_threads", lambda tensors: 4)
+    monkeypatch.setattr(compiled, "kernel_threads", lambda tensors: 4)
     parts: list[int] = []
-    real = compiled._in_parts
-    monkeypatch.setattr(compiled, "_in_parts", lambda *a: (parts.append(a[-1]), real(*a)))
+    real = compiled.in_parts
+    monkeypatch.setattr(compiled, "in_parts", lambda *a: (parts.append(a[-1]), real(*a)))
     for got, want in zip(_leaves(FAMILIES["dplr"](x, "recurrent")), _leaves(one), strict=True):
         np.testing.assert_array_equal(_numpy(got), _numpy(want))
     assert parts == [4]  # B x H = 6 states in four parts

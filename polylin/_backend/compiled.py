@@ -57,8 +57,12 @@ __all__ = [
     "delta_tokens",
     "dplr_tokens",
     "exp_gates",
+    "in_parts",
     "kernel",
+    "kernel_threads",
     "linear_tokens",
+    "numba_module",
+    "numpy_views",
 ]
 
 #: Set to ``0`` to run the array-API forms where a compiled kernel would run.
@@ -321,7 +325,7 @@ def decay_factors(g: Any) -> Any:
 def _exp_kernel() -> Callable[..., None] | None:
     """:func:`exp_gates` compiled, or ``None`` without Numba."""
     global _NUMPY
-    numba = _numba()
+    numba = numba_module()
     if numba is None:
         return None
     _NUMPY = loaded_numpy()
@@ -348,7 +352,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
 
 
 @cache
-def _numba() -> Any | None:
+def numba_module() -> Any | None:
     """Numba, or ``None`` where it is not installed or ``POLYLIN_COMPILED=0`` (read once)."""
     if os.environ.get(ENVIRONMENT, "1").strip() == "0":
         return None
@@ -361,7 +365,7 @@ def _numba() -> Any | None:
 
 def compiled_available() -> bool:
     """Whether the compiled kernels run (Numba installed, ``POLYLIN_COMPILED`` not ``0``)."""
-    return _numba() is not None
+    return numba_module() is not None
 
 
 @cache
@@ -370,7 +374,7 @@ def kernel(name: str) -> Callable[..., None] | None:
     objects, the GIL released), or ``None`` where Numba is not there (:func:`compiled_available`).
     Each dtype compiles once per process, or once per machine where the cache folder is
     writable."""
-    numba = _numba()
+    numba = numba_module()
     if numba is None:
         return None
     _compile_pieces(numba)
@@ -389,7 +393,7 @@ def _compile_pieces(numba: Any) -> None:
         globals()[name] = numba.njit(inline=inline, fastmath={"contract"})(globals()[name])
 
 
-def _views(S: Any, arrays: list[Any]) -> list[Any] | None:
+def numpy_views(S: Any, arrays: list[Any]) -> list[Any] | None:
     """NumPy arrays sharing the memory of ``S`` and ``arrays``: NumPy arrays themselves, or
     PyTorch CPU tensors' views where no gradient is recorded (not traced by ``torch.compile``,
     not in a ``torch.func`` transform); all of one dtype, float32 or float64. ``None``
@@ -453,7 +457,7 @@ def compiled_tokens(
         if tuple(z.shape) != tuple(S.shape[:-1]):
             return None
         given.append(z)
-    views = _views(S, given)
+    views = numpy_views(S, given)
     if views is None:
         return None
     numpy: Any = loaded_numpy()  # imported: views were made
@@ -476,9 +480,9 @@ def compiled_tokens(
     if z is not None:
         flat.append(numpy.ascontiguousarray(views[-1].reshape(n, m)))
         results += [numpy.empty((n, m), dtype=dtype), layout.empty(1, dtype)]
-    parts = min(n, _threads(state is not S), n * T * m * c // PART_SIZE)
+    parts = min(n, kernel_threads(state is not S), n * T * m * c // PART_SIZE)
     if parts > 1:
-        _in_parts(run, [*flat, *results], n, parts)
+        in_parts(run, [*flat, *results], n, parts)
     else:
         run(*flat, *results, 0, n)
     results[0], results[1] = layout.given(results[0]), results[1].reshape(state.shape)
@@ -548,16 +552,16 @@ def _token_major(numpy: Any, q: Any, lead: tuple[int, ...]) -> int:
 PART_SIZE = 1 << 22
 
 
-def _threads(tensors: bool) -> int:
+def kernel_threads(tensors: bool) -> int:
     """The threads a kernel's call may run on: PyTorch's (``torch.get_num_threads()``) for
     tensors, Numba's (``NUMBA_NUM_THREADS``, by default the cores) for NumPy arrays."""
     if tensors:
         return int(torch_module().get_num_threads())
-    numba: Any = _numba()  # installed: a kernel runs
+    numba: Any = numba_module()  # installed: a kernel runs
     return int(numba.config.NUMBA_NUM_THREADS)
 
 
-def _in_parts(run: Callable[..., None], args: list[Any], n: int, parts: int) -> None:
+def in_parts(run: Callable[..., None], args: list[Any], n: int, parts: int) -> None:
     """``run(*args, lo, hi)`` for ``parts`` consecutive ranges of the ``n`` states, all but the
     first on the pool's threads (each call releases the GIL): the states are independent."""
     first, *rest = itertools.pairwise([n * i // parts for i in range(parts + 1)])
@@ -573,7 +577,7 @@ _POOL_LOCK = threading.Lock()
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    """This process's threads for :func:`_in_parts`, at least ``workers`` of them."""
+    """This process's threads for :func:`in_parts`, at least ``workers`` of them."""
     pid = os.getpid()
     with _POOL_LOCK:
         pool = _POOL.get(pid)
