@@ -261,9 +261,9 @@ def causal_conv1d(
     x = inputs.to_work_dtype(x)
     w = inputs.to_work_dtype(weight)
     b = None if bias is None else inputs.to_work_dtype(bias)
-    compiled = None if keep is not None else compiled_conv(S, x, w, b)  # NumPy, torch CPU
+    compiled = None if keep is not None else compiled_conv(S, x, w, b)  # NumPy, with Numba
     if compiled is not None:  # one pass, the state's rows read where they are
-        out, ext = compiled
+        out, after = compiled
     else:
         ext = xp.concat([S, x], axis=-2) if width > 1 else x
         # width shifted views of one array, combined once (linear in T, forward and backward)
@@ -279,7 +279,7 @@ def causal_conv1d(
     if width == 1:
         new_state = S if T else xp.asarray(S, copy=True)
     elif compiled is not None:
-        new_state = ext  # the kernel's state after x
+        new_state = after  # the kernel's
     elif keep is None:
         new_state = ext[..., T:, :]
     else:
@@ -398,7 +398,7 @@ def _run_step(
         S = xp.zeros(plan.state_shape, dtype=inputs.work_dtype, device=inputs.device)
     x, w = inputs.to_work_dtype(x), inputs.to_work_dtype(weight)
     b = None if bias is None else inputs.to_work_dtype(bias)
-    compiled = None if keep is not None else compiled_conv(S, x, w, b)  # NumPy, torch CPU
+    compiled = None if keep is not None else compiled_conv(S, x, w, b)  # NumPy, with Numba
     if compiled is not None:
         out, new_state = compiled
         out = out[..., 0, :]
