@@ -26,6 +26,7 @@ from functools import cache
 from typing import Any
 
 from .compiled import in_parts, kernel_threads, numba_module, numpy_views
+from .execution import compiling
 from .namespace import loaded_numpy
 
 __all__ = ["CONV_PART_SIZE", "compiled_conv", "conv_rows"]
@@ -83,10 +84,13 @@ def compiled_conv(S: Any, x: Any, weight: Any, bias: Any | None) -> tuple[Any, A
     :func:`~._backend.depthwise.causal_taps` and the state after ``x`` (a new array). ``None``
     where the kernel does not run: Numba missing or turned off, another library, mixed or
     other dtypes than float32 and float64, width 1, no tokens."""
-    run, numpy = _kernel(), loaded_numpy()
-    if run is None or numpy is None or type(S) is not numpy.ndarray:  # PyTorch: module doc
+    if compiling(S):  # traced by torch.compile: nothing here is looked at
         return None
-    if weight.shape[1] < 2 or x.shape[-2] == 0:
+    numpy = loaded_numpy()
+    if numpy is None or type(S) is not numpy.ndarray:  # PyTorch: its own kernels (module doc)
+        return None
+    run = _kernel()
+    if run is None or weight.shape[1] < 2 or x.shape[-2] == 0:
         return None
     views = numpy_views(S, [x, weight] + ([] if bias is None else [bias]))
     if views is None:
