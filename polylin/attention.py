@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 from ._backend.execution import scans_tokens, with_derivatives_of
@@ -201,7 +200,10 @@ def causal_linear_attention(
     # The feature size, from one token (the chunked form maps its own blocks).
     d_phi = features(q[..., : min(T, 1), :], k[..., : min(T, 1), :], None)[0].shape[-1]
     d_v = v.shape[-1]
-    decay = check_log_decay(inputs, log_decay, length=T, d_phi=d_phi, layout=layout)
+    # The recurrent form takes values above 0 as 0 itself (no operation before its loop).
+    decay = check_log_decay(
+        inputs, log_decay, length=T, d_phi=d_phi, layout=layout, clamp=method != "recurrent"
+    )
     arrays = [q, k, inputs.to_work_dtype(v)] + ([] if decay is None else [decay])
 
     def scaled(q: Array, k: Array, keep: Array | None) -> tuple[Array, Array]:
@@ -222,11 +224,16 @@ def causal_linear_attention(
                 xp, features, q, k, v, S, z, mask=keep, chunk_size=chunk_size, eps=eps,
                 log_decay=g, normalize=normalize, scale=scale,
             )  # fmt: skip
+        elif method == "recurrent":  # scales the queries itself (on the loop's arrays)
+            out, S, z = causal_recurrent(
+                xp, *features(q, k, keep), v, S, z, eps=eps, log_decay=g, normalize=normalize,
+                scale=scale,
+            )  # fmt: skip
         else:
-            form = causal_recurrent if method == "recurrent" else partial(quadratic, causal=True)
-            out, S, z = form(
-                xp, *scaled(q, k, keep), v, S, z, eps=eps, log_decay=g, normalize=normalize
-            )
+            out, S, z = quadratic(
+                xp, *scaled(q, k, keep), v, S, z, causal=True, eps=eps, log_decay=g,
+                normalize=normalize,
+            )  # fmt: skip
         return out, LinearAttentionState(S, z)
 
     def check_initial_state(initial_state: Any, leading: tuple) -> LinearAttentionState:

@@ -83,8 +83,9 @@ def _algorithm(xp: Any, *, method: str, chunk_size: int, scale: float, qk_l2norm
             )
         if qk_l2norm:
             q, k = l2_normalize(xp, q), l2_normalize(xp, k)
-        form = delta_recurrent if method == "recurrent" else delta_quadratic
-        out, S = form(xp, q, k, v, beta, g, S)
+        if method == "recurrent":  # scales the output itself (on the loop's arrays)
+            return delta_recurrent(xp, q, k, v, beta, g, S, scale=scale)
+        out, S = delta_quadratic(xp, q, k, v, beta, g, S)
         if scale != 1.0:  # o_t = S_t^T (scale q_t) = scale (S_t^T q_t); the state is unchanged
             out = out * scale
         return out, S
@@ -236,7 +237,9 @@ def delta_rule_attention(
     arrays.append(
         check_coefficient(inputs, beta, per_token, name="beta", bounds=_BETA_BOUNDS, layout=layout)
     )
-    g = shaped_log_decay(inputs, log_decay, per_token, channels=d_k, layout=layout)
+    g = shaped_log_decay(  # the recurrent form takes values above 0 as 0 itself
+        inputs, log_decay, per_token, channels=d_k, layout=layout, clamp=method != "recurrent"
+    )
     if g is not None:
         arrays.append(g)
     # A masked token has every input selected to 0: beta = 0 (it writes nothing) and log decay

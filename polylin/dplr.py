@@ -87,8 +87,9 @@ def _algorithm(xp: Any, method: str, chunk_size: int, scale: float) -> Any:
         g = rest[0] if rest else None
         if method == "chunked":
             return dplr_chunked(xp, q, k, v, a, b, g, S, chunk_size=chunk_size, scale=scale)
-        form = dplr_quadratic if method == "quadratic" else dplr_recurrent
-        return form(xp, q if scale == 1.0 else q * scale, k, v, a, b, g, S)
+        if method == "recurrent":  # scales the queries itself (on the loop's arrays)
+            return dplr_recurrent(xp, q, k, v, a, b, g, S, scale=scale)
+        return dplr_quadratic(xp, q if scale == 1.0 else q * scale, k, v, a, b, g, S)
 
     return algorithm
 
@@ -223,7 +224,10 @@ def dplr_delta_rule(
     keys = (*batch, T, d_k)
     arrays = [inputs.to_work_dtype(x) for x in (q, k, v)]
     arrays += [_check_vectors(inputs, x, keys, name) for name, x in (("a", a), ("b", b))]
-    g = shaped_log_decay(inputs, log_decay, (*batch, T, 1), channels=d_k, layout=layout)
+    g = shaped_log_decay(  # the recurrent form takes values above 0 as 0 itself
+        inputs, log_decay, (*batch, T, 1), channels=d_k, layout=layout,
+        clamp=method != "recurrent",
+    )  # fmt: skip
     if g is not None:
         arrays.append(g)
 

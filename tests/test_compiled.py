@@ -71,18 +71,18 @@ def _inputs(library: str, dtype: str, gate: str, seed: int = 0) -> dict[str, Any
 
 
 FAMILIES = {
-    "delta": lambda x, method: polylin.delta_rule_attention(
+    "delta": lambda x, method, **options: polylin.delta_rule_attention(
         x["q"], x["k"], x["v"], x["beta"], log_decay=x.get("g"), initial_state=x["S"],
-        method=method, seq_axis=1, return_state=True),
-    "dplr": lambda x, method: polylin.dplr_delta_rule(
+        method=method, seq_axis=1, return_state=True, **options),
+    "dplr": lambda x, method, **options: polylin.dplr_delta_rule(
         x["q"], x["k"], x["v"], x["a"], x["b"], log_decay=x.get("g"), initial_state=x["S"],
-        method=method, seq_axis=1, return_state=True),
-    "linear": lambda x, method: polylin.causal_linear_attention(
+        method=method, seq_axis=1, return_state=True, **options),
+    "linear": lambda x, method, **options: polylin.causal_linear_attention(
         x["q"], x["k"], x["v"], None, log_decay=x.get("g"), normalize=False, method=method,
-        seq_axis=1, return_state=True),
-    "normalized": lambda x, method: polylin.causal_linear_attention(
+        seq_axis=1, return_state=True, **options),
+    "normalized": lambda x, method, **options: polylin.causal_linear_attention(
         abs(x["q"]), abs(x["k"]), x["v"], None, log_decay=x.get("g"), method=method,
-        seq_axis=1, return_state=True),
+        seq_axis=1, return_state=True, **options),
 }  # fmt: skip
 KERNEL = {"delta": "delta", "dplr": "dplr", "linear": "linear", "normalized": "linear"}
 TOLERANCE = {"float32": 2e-5, "float64": 1e-12}
@@ -341,3 +341,82 @@ def test_the_gates_exponential_runs_as_plain_python(monkeypatch: pytest.MonkeyPa
     with np.errstate(invalid="ignore", over="ignore"):
         compiled.exp_gates(g, got, compiled._exp_constants(np))
     np.testing.assert_allclose(got, want, rtol=3 * 2.0**-24, atol=0)
+
+
+def _scaled_gates_above_zero(library: str, gate: str) -> tuple[dict, dict]:
+    """float32 inputs whose gates are above 0 at a third of their entries, as given and with
+    those entries at 0 (the policy of every entry point: ``polylin._inputs.gates``)."""
+    x = _inputs("numpy", "float32", gate, seed=5)
+    above = x["g"].copy()
+    above[..., ::3] = np.abs(above[..., ::3]) + 0.5
+    clamped = dict(x, g=np.minimum(above, 0))
+    x["g"] = above
+    if library == "torch":
+        return ({n: torch.from_numpy(a) for n, a in x.items()},
+                {n: torch.from_numpy(a) for n, a in clamped.items()})  # fmt: skip
+    return x, clamped
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_loop_takes_the_scale_and_the_gates_as_given(
+    calls: list[str], library: str, gate: str, family: str
+) -> None:
+    """The recurrent form scales the queries (the delta rule its output) and takes gates above
+    0 as 0 on the loop's own arrays: the numbers of the array-API loop and of the chunked
+    form, the caller's arrays unchanged. Float32 per-channel gates are enough entries for the
+    compiled exponential (``compiled.EXP_BLOCK``), one gate per token are NumPy's."""
+    x, clamped = _scaled_gates_above_zero(library, gate)
+    before = {n: _numpy(a).copy() for n, a in x.items()}
+    got = FAMILIES[family](x, "recurrent", scale=0.75)
+    assert calls == [KERNEL[family]]
+    _close(got, _without_kernels(lambda: FAMILIES[family](x, "recurrent", scale=0.75)),
+           "float32")  # fmt: skip
+    _close(got, FAMILIES[family](clamped, "chunked", scale=0.75), "float32")
+    if family != "normalized":  # there the scale cancels but for eps
+        unscaled = FAMILIES[family](clamped, "recurrent")
+        assert not np.allclose(_numpy(got[0]), _numpy(unscaled[0]), rtol=0, atol=1e-3)
+    for n, a in x.items():
+        np.testing.assert_array_equal(_numpy(a), before[n])
+
+
+#: PyTorch's operations that make views, not new entries.
+VIEWS = {"alias", "as_strided", "detach", "expand", "lift_fresh", "permute", "select",
+         "slice", "squeeze", "t", "transpose", "unsqueeze", "view", "_reshape_alias"}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_no_pytorch_operation_on_the_sequence_around_the_loop(family: str) -> None:
+    """On PyTorch the recurrent form's whole call, the gates' clamp, the scale and the
+    normalization included, runs on the tensors' NumPy views: PyTorch computes nothing of
+    the sequence's size (an operation on a large tensor wakes its OpenMP threads, which then
+    spin for milliseconds on the cores that the loop's threads need)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, _ = _scaled_gates_above_zero("torch", "channel")
+    if family == "normalized":
+        x = dict(x, q=abs(x["q"]), k=abs(x["k"]))
+    computed: list[str] = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            sizes = [a.numel() for a in args if isinstance(a, torch.Tensor)]
+            if func.overloadpacket.__name__ not in VIEWS and max(sizes, default=0) >= B * T:
+                computed.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    run = FAMILIES[family]
+    if family in ("linear", "normalized"):  # GLA's and Mamba-2's map: PyTorch maps no entry
+        def run(x: dict, method: str, **options: Any) -> Any:
+            return polylin.causal_linear_attention(
+                x["q"], x["k"], x["v"], polylin.feature_maps.identity, log_decay=x["g"],
+                normalize=family == "normalized", method=method, seq_axis=1,
+                return_state=True, **options)  # fmt: skip
+
+    with Seen():
+        run(x, "recurrent", scale=0.5)
+    assert computed == [], computed
+    with Seen():  # and the chunked form is PyTorch's own
+        run(x, "chunked", scale=0.5)
+    assert computed

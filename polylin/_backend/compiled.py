@@ -428,13 +428,19 @@ def numpy_views(S: Any, arrays: list[Any]) -> list[Any] | None:
 
 def compiled_tokens(
     name: str, tokens: list[Any], decay: Any | None, S: Any, z: Any | None = None, *,
-    step: bool, log: bool = False,
+    step: bool, log: bool = False, scale: float = 1.0, scale_output: bool = False,
+    eps: float | None = None,
 ) -> tuple[Any, ...] | None:
     """Kernel ``name`` (:func:`kernel`) over the per-token arrays ``tokens`` (in the kernel's
     order: ``q, k, v`` and ``beta`` or ``a, b``) and ``decay`` (``exp(g)``, or ``None``) from
     the state ``S`` ``(..., m, c)`` (and ``z`` ``(..., m)`` for ``"linear"``). ``log``:
     ``decay`` is the log decay ``g`` itself, its factors ``exp(min(g, 0))`` computed here
-    (:func:`decay_factors`: one compiled pass in float32).
+    (:func:`decay_factors`: one compiled pass in float32). ``scale`` multiplies ``q`` (the
+    first token array), or ``out`` where ``scale_output``; with ``eps`` (``"linear"``), ``out``
+    is divided by ``den + eps`` (linear attention's normalization). Both on the NumPy views,
+    so that no operation of PyTorch's runs on the sequence around the loop: one on a large
+    tensor wakes PyTorch's OpenMP threads, which then spin for milliseconds on the cores that
+    the loop's parts need (``docs/performance.md``, "Compiled token loops").
 
     For one token (``step``) the arrays are ``(..., width)``, else ``(..., T, width)`` (the
     decay's ``T`` may be 1: shared by the tokens); their leading dimensions broadcast to the
@@ -465,7 +471,7 @@ def compiled_tokens(
     m, c = state.shape[-2:]
     layout = _Layout(numpy, state.shape[:-2], 1 if step else tokens[0].shape[-2], views[1], step)
     n, T = layout.n, layout.T
-    flat = []
+    flat: list[Any] = []
     for i, x in enumerate(views[1 : len(tokens) + 1 + (decay is not None)]):
         shared = i == len(tokens) and not step and x.shape[-2] == 1  # a decay for every token
         flat.append(layout.read(x, 1 if shared else T))
@@ -473,6 +479,8 @@ def compiled_tokens(
             return None
     if log and decay is not None:
         flat[-1] = decay_factors(flat[-1])
+    if scale != 1.0 and not scale_output:
+        flat[0] = flat[0] * scale  # a new array: flat[0] may be the caller's
     if decay is None:
         flat.append(numpy.ones((1, 1, 1, 1), dtype=dtype))
     flat.append(numpy.ascontiguousarray(state.reshape(n, m, c)))
@@ -485,6 +493,10 @@ def compiled_tokens(
         in_parts(run, [*flat, *results], n, parts)
     else:
         run(*flat, *results, 0, n)
+    if scale != 1.0 and scale_output:
+        results[0] *= scale
+    if eps is not None and z is not None:
+        results[0] /= results[3] + eps
     results[0], results[1] = layout.given(results[0]), results[1].reshape(state.shape)
     if z is not None:
         results[2], results[3] = results[2].reshape(state.shape[:-1]), layout.given(results[3])

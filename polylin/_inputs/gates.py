@@ -67,6 +67,7 @@ def check_log_decay(
     mask: Any | None = None,
     layout: Any | None = None,
     channels: str | None = "d_phi",
+    clamp: bool = True,
 ) -> Any | None:
     """Validate ``log_decay`` and return ``None`` or ``(..., T or 1, 1 or d_phi)`` work-dtype.
 
@@ -79,7 +80,10 @@ def check_log_decay(
     it (its rank is not that of ``q``) is named here. ``channels`` names the channel axis in
     messages: ``"d_phi"`` (the mapped keys of linear attention) or ``"d_k"`` (the keys of the
     delta rules); ``None`` allows a trailing axis of 1 only (one gate per token).
-    Array values above 0 are selected to 0 (the module docstring's policy).
+    Array values above 0 are selected to 0 (the module docstring's policy); with ``clamp``
+    false they are left to the form that takes them (the recurrent forms take them as 0 where
+    they form the factors: on PyTorch a selection of its own here would run on the sequence
+    before their compiled loop, ``_backend.compiled.compiled_tokens``).
     """
     if log_decay is None:
         return None
@@ -93,7 +97,7 @@ def check_log_decay(
     else:
         _check_log_decay_array(inputs, log_decay, length, d_phi, layout, channels)
         core = 0 if length is None else 1
-        decay = log_decay_values(inputs, log_decay, explicit=core + 1)
+        decay = log_decay_values(inputs, log_decay, explicit=core + 1, clamp=clamp)
     if mask is not None:
         keep = mask if xp.isdtype(mask.dtype, "bool") else mask != 0
         decay = xp.where(keep, decay, 0.0)
@@ -166,15 +170,17 @@ def _broadcasts(shape: tuple, full: tuple) -> bool:
     )
 
 
-def log_decay_values(inputs: AttentionInputs, log_decay: Any, *, explicit: int) -> Any:
+def log_decay_values(
+    inputs: AttentionInputs, log_decay: Any, *, explicit: int, clamp: bool = True
+) -> Any:
     """A checked ``log_decay`` array in the work dtype, with at least ``explicit`` axes (the
-    token axis, if any, and the channel axis), its values above 0 selected to 0."""
+    token axis, if any, and the channel axis), its values above 0 selected to 0 (``clamp``)."""
     xp = inputs.xp
     decay = inputs.to_work_dtype(log_decay)
     if decay.ndim < explicit:
         decay = xp.reshape(decay, (1,) * (explicit - decay.ndim) + tuple(log_decay.shape))
     # A decay never amplifies: every exponential the algorithms form stays <= 1.
-    return nonpositive(xp, decay)
+    return nonpositive(xp, decay) if clamp else decay
 
 
 def pack_log_decay(xp: Any, decay: Any | None, pack: Any, rank: int) -> Any | None:

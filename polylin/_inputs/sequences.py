@@ -72,13 +72,15 @@ def shaped_log_decay(
     *,
     channels: int | None = None,
     layout: SequenceLayout | None = None,
+    clamp: bool = True,
 ) -> Any | None:
     """A log decay as an array of ``shape`` (last axis 1) in the work dtype, or ``None``.
 
     The policy of every entry point (:func:`polylin._inputs.gates.check_log_decay`): a number above
     0 is an error, array values above 0 are taken as 0. With ``channels`` (``d_k``) an array whose
     last axis has that size is one decay per key channel: the result then has ``channels`` as its
-    last axis. ``shape`` is ``(..., T, 1)``, or ``(..., 1)`` for one decoding step.
+    last axis. ``shape`` is ``(..., T, 1)``, or ``(..., 1)`` for one decoding step. ``clamp``
+    false leaves values above 0 to the form (see ``check_log_decay``).
     """
     length = None if len(shape) == len(inputs.batch_shape) + 1 else shape[-2]
     g = check_log_decay(
@@ -88,6 +90,7 @@ def shaped_log_decay(
         d_phi=1 if channels is None else channels,
         layout=layout,
         channels=None if channels is None else "d_k",
+        clamp=clamp,
     )
     return None if g is None else _explicit_channels(inputs, g, shape)
 

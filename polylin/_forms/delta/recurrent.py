@@ -11,7 +11,7 @@ from typing import Any
 
 from ..._backend.compiled import compiled_tokens
 from ..._backend.fused import fused_delta_step
-from ..._backend.ops import add_outer, unstack, vector_times_matrix
+from ..._backend.ops import add_outer, nonpositive, unstack, vector_times_matrix
 
 __all__ = ["delta_recurrent", "delta_step"]
 
@@ -38,16 +38,22 @@ def delta_step(
 
 
 def delta_recurrent(
-    xp: Any, q: Any, k: Any, v: Any, beta: Any, g: Any | None, S: Any
+    xp: Any, q: Any, k: Any, v: Any, beta: Any, g: Any | None, S: Any, *, scale: float = 1.0
 ) -> tuple[Any, Any]:
-    """The delta rule by T sequential updates from the state ``S``: ``(out, S_T)``."""
+    """The delta rule by T sequential updates from the state ``S``: ``(scale * out, S_T)``.
+
+    Values of the log decay ``g`` above 0 are taken as 0 here, where the factors are formed
+    (as :func:`polylin._forms.linear.recurrent.causal_recurrent`: no operation of PyTorch's on
+    the sequence before the compiled loop)."""
     T = q.shape[-2]
     if T == 0:
         return v[..., :0, :], S
-    done = compiled_tokens("delta", [q, k, v, beta], g, S, step=False, log=True)  # one loop
+    done = compiled_tokens(
+        "delta", [q, k, v, beta], g, S, step=False, log=True, scale=scale, scale_output=True
+    )  # one loop
     if done is not None:
         return done
-    decay = None if g is None else xp.exp(g)
+    decay = None if g is None else xp.exp(nonpositive(xp, g))
     # One unstack per input (a single op for autograd) rather than a slice per token.
     qs, ks, vs, bs = (unstack(xp, x, axis=-2) for x in (q, k, v, beta))
     decays = [None] * T if decay is None else unstack(xp, decay, axis=-2)
@@ -55,4 +61,6 @@ def delta_recurrent(
     for t in range(T):
         o, S = delta_step(xp, qs[t], ks[t], vs[t], bs[t], decays[t], S)
         outputs.append(o)
-    return xp.stack(outputs, axis=-2), S
+    out = xp.stack(outputs, axis=-2)
+    # o_t = S_t^T (scale q_t) = scale (S_t^T q_t); the state is unchanged
+    return (out if scale == 1.0 else out * scale), S

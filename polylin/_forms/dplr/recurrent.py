@@ -11,7 +11,7 @@ from typing import Any
 
 from ..._backend.compiled import compiled_tokens
 from ..._backend.fused import fused_dplr_step
-from ..._backend.ops import add_outer, unstack, vector_times_matrix
+from ..._backend.ops import add_outer, nonpositive, unstack, vector_times_matrix
 
 __all__ = ["dplr_recurrent", "dplr_step"]
 
@@ -34,16 +34,25 @@ def dplr_step(
 
 
 def dplr_recurrent(
-    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, g: Any | None, S: Any
+    xp: Any, q: Any, k: Any, v: Any, a: Any, b: Any, g: Any | None, S: Any, *,
+    scale: float = 1.0,
 ) -> tuple[Any, Any]:
-    """T sequential updates from the state ``S``: ``(out, S_T)``."""
+    """T sequential updates from the state ``S``: ``(out, S_T)``, ``scale`` multiplying ``q``.
+
+    Values of the log decay ``g`` above 0 are taken as 0 here, where the factors are formed
+    (as :func:`polylin._forms.linear.recurrent.causal_recurrent`: no operation of PyTorch's on
+    the sequence before the compiled loop)."""
     T = q.shape[-2]
     if T == 0:
         return v[..., :0, :], S
-    done = compiled_tokens("dplr", [q, k, v, a, b], g, S, step=False, log=True)  # one loop
+    done = compiled_tokens(
+        "dplr", [q, k, v, a, b], g, S, step=False, log=True, scale=scale
+    )  # one loop
     if done is not None:
         return done
-    decay = None if g is None else xp.exp(g)
+    if scale != 1.0:
+        q = q * scale
+    decay = None if g is None else xp.exp(nonpositive(xp, g))
     # One unstack per input (a single op for autograd) rather than a slice per token.
     qs, ks, vs, as_, bs = (unstack(xp, x, axis=-2) for x in (q, k, v, a, b))
     decays: list[Any] = [None] * T if decay is None else list(unstack(xp, decay, axis=-2))

@@ -15,7 +15,7 @@ from typing import Any
 from ..._backend.compiled import compiled_tokens
 from ..._backend.execution import scan
 from ..._backend.fused import StepRows, fused_linear_step
-from ..._backend.ops import add_outer, unstack, vector_times_matrix
+from ..._backend.ops import add_outer, nonpositive, unstack, vector_times_matrix
 
 __all__ = ["causal_recurrent", "recurrent_step"]
 
@@ -73,8 +73,14 @@ def causal_recurrent(
     log_decay: Any | None = None,
     normalize: bool = True,
     scanned: bool = False,
+    scale: float = 1.0,
 ) -> tuple[Any, Any, Any]:
     """Causal linear attention by T sequential state updates, from the state ``(S, z)``.
+
+    ``scale`` multiplies the mapped queries ``fq``; ``log_decay`` values above 0 are taken as 0
+    here (:func:`polylin._inputs.gates.check_log_decay` with ``clamp=False``), where the
+    factors are formed: the compiled loop on PyTorch tensors then runs with no operation of
+    PyTorch's on the sequence before or after it (``_backend.compiled.compiled_tokens``).
 
     The tokens are taken apart by one ``unstack`` per input (not a slice per token, whose
     backward would be quadratic in T) and the outputs joined by one ``stack``. The leading
@@ -88,10 +94,16 @@ def causal_recurrent(
         return xp.broadcast_to(v, (*S.shape[:-2], *v.shape[-2:])), S, z
     compiled = None
     if not scanned:  # one compiled loop
-        compiled = compiled_tokens("linear", [fq, fk, v], log_decay, S, z, step=False, log=True)
-    if compiled is not None:
-        numerator, S, z, normalizer = compiled
-        return (numerator / (normalizer + eps) if normalize else numerator), S, z
+        compiled = compiled_tokens(
+            "linear", [fq, fk, v], log_decay, S, z, step=False, log=True, scale=scale,
+            eps=eps if normalize else None,
+        )  # fmt: skip
+    if compiled is not None:  # (out, S, z, the normalizers)
+        return compiled[0], compiled[1], compiled[2]
+    if scale != 1.0:
+        fq = fq * scale
+    if log_decay is not None:
+        log_decay = nonpositive(xp, log_decay)
     if scanned:
         step = partial(recurrent_step, xp, eps=eps, normalize=normalize)
         return _scan(xp, (fq, fk, v), (S, z), step, log_decay)
