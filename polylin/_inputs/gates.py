@@ -16,7 +16,9 @@ one home): a decay never amplifies the state. A number above 0 (or nan, or infin
 ``ValueError``; array values above 0 are taken as 0, by selection (``where(g > 0, 0, g)``:
 ``minimum`` would halve the gradient at ``g == 0`` on PyTorch), since checking them would read
 the data (lazy and traced backends cannot). An array value of ``-inf`` is an exact reset of
-the state.
+the state. The recurrent forms select their values above 0 themselves, where they form the
+factors (``clamp=False`` here: on PyTorch the selection would be an operation on the whole
+sequence just before their compiled loop, ``_backend.compiled.compiled_tokens``).
 """
 
 from __future__ import annotations
