@@ -46,3 +46,19 @@ def test_no_time_kernel_has_the_kernels_shapes_and_gradients():
     out.sum().backward()
     assert all(x.grad is not None for x in (q, k, v, g, beta))
     assert compat.no_time_kernel(q, k, v, g=g, beta=beta)[1] is None
+
+
+def test_a_difference_that_is_not_positive_is_timed_again(monkeypatch):
+    """Decoding's time per token is a difference of two generate calls' times: where the
+    machine made it 0 or negative, the calls are timed again with twice the runs."""
+    runs = []
+    seconds = iter([{"a 1": 2.0, "a 5": 1.0}, {"a 1": 1.0, "a 5": 1.0},
+                    {"a 1": 1.0, "a 5": 3.0}])  # fmt: skip
+
+    def timed(calls, repeats, stat):
+        runs.append(repeats)
+        return next(seconds)
+
+    monkeypatch.setattr(compat, "alternate", timed)
+    assert compat.per_token_seconds({}, ["a"], 4, 1) == {"a": 0.5}
+    assert runs == [3, 6, 12]
