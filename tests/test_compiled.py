@@ -420,3 +420,50 @@ def test_no_pytorch_operation_on_the_sequence_around_the_loop(family: str) -> No
     with Seen():  # and the chunked form is PyTorch's own
         run(x, "chunked", scale=0.5)
     assert computed
+
+
+@pytest.mark.parametrize("offset", [0, 1])  # values at a multiple of 64 bytes, then 4 past one
+@pytest.mark.parametrize("name", ["delta", "linear", "dplr"])
+def test_results_start_at_cache_lines_and_misaligned_values_give_the_same_bits(
+    name: str, offset: int
+) -> None:
+    """The sequence's output, state and normalizer start at multiples of 64 bytes, the output
+    half a page from the values in the addresses' last 12 bits; values that start elsewhere
+    (read from a copy at such an address) give the same bits; the caller's arrays are not
+    written."""
+    x = _inputs("numpy", "float32", "channel")
+    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
+             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
+    tokens = [np.ascontiguousarray(x[n].transpose(0, 2, 1, 3)) for n in names]
+    v = tokens[2]
+    buffer = np.zeros(v.size + 32, dtype=v.dtype)
+    start = (-buffer.ctypes.data % 64) // v.itemsize + offset
+    tokens[2] = buffer[start : start + v.size].reshape(v.shape)
+    tokens[2][...] = v
+    assert (tokens[2].ctypes.data % 64 == 0) == (offset == 0)
+    decay = np.exp(x["g"].transpose(0, 2, 1, 3))
+    S, z = x["S"], (x["S"][..., 0].copy() if name == "linear" else None)
+    before = [a.copy() for a in (*tokens, decay, S)]
+    got = compiled.compiled_tokens(name, tokens, decay, S, z, step=False)
+    for a in got[:3]:
+        assert a.ctypes.data % compiled.ALIGNMENT == 0
+    if offset == 0:  # read where they are (else a copy is)
+        assert (got[0].ctypes.data - tokens[2].ctypes.data) % 4096 == 2048
+    tokens[2] = v  # the same values at NumPy's own address
+    want = compiled.compiled_tokens(name, tokens, decay, S, z, step=False)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip((*tokens[:2], v, *tokens[3:], decay, S), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_aligned_arrays_start_at_cache_lines_and_half_a_page_apart() -> None:
+    for dtype in ("float32", "float64"):
+        assert compiled.aligned_empty(np, (0, 4), np.dtype(dtype)).shape == (0, 4)
+        for shape in [(3,), (2, 5, 7)]:
+            a = compiled.aligned_empty(np, shape, np.dtype(dtype))
+            assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
+            assert a.ctypes.data % 64 == 0
+            b = compiled.aligned_empty(np, shape, np.dtype(dtype), apart=a)
+            assert (b.ctypes.data - a.ctypes.data) % 4096 == 2048
+            assert b.flags.writeable and b.shape == shape

@@ -12,15 +12,20 @@ results agree with the array-API step's to rounding; the order of the sums diffe
   (linear attention with a scalar or per-channel decay: RetNet, GLA, Mamba-2's scan);
 - :func:`dplr_tokens`: ``S_t = diag(a) S + b (a'^T S) + k v^T``, ``o = S_t^T q`` (RWKV-7).
 
-Each head's state alternates between two buffers from token to token (its row ``i`` read from
-one, written to the other): where a loop read and wrote the same row, the compiler could not
-prove the two apart and left it unvectorized (GLA's loop at 32 heads x 64, T = 512: 70 ms
-against 16 ms). Multiply-adds may be fused (``fastmath={"contract"}``, nothing reassociated:
-11 ms). The delta rules' loops sum the next token's read of the state (``S'^T k``,
-RWKV-7's ``a^T S``) in the pass that writes the state, each new entry added as it is written:
+A head's first token reads the caller's state and writes the result's; the tokens after it
+update the result in place, its row ``i`` read and written through one array, so that the
+compiler sees them to be one (where two arrays held the same memory, it could not prove them
+apart and left the loop unvectorized: GLA's loop at 32 heads x 64, T = 512, 70 ms against
+16 ms), and a head's state is one buffer in the core's cache, not two. The results and the
+loops' scratch rows start at multiples of 64 bytes (:func:`aligned_empty`; NumPy's arrays are
+at multiples of 16), so that a row of 16 float32 is one cache line, not two, and the output
+half a page from the values that the same loop reads. Multiply-adds may be fused
+(``fastmath={"contract"}``, nothing reassociated: 11 ms). The delta rules' loops sum the next
+token's read of the state (``S'^T k``, RWKV-7's ``a^T S``) in the pass that writes the state,
+each new entry added as it is written:
 a token is one pass over its state, not two (the same sums in the same order, so the same bits;
 0.82-0.95x the two-pass loop's time at T = 512). The functions are plain Python over arrays (a
-reference anyone can read), sharing their pieces (a head's buffers, its gates, the weighted
+reference anyone can read), sharing their pieces (a token's step, its gates, the weighted
 read of a state, the decay-and-add with its read-out), and are compiled with ``numba.njit`` at
 their first use (:func:`kernel`; cached on disk where the package folder or Numba's cache
 folder is writable). The decay factors ``exp(min(g, 0))`` of log decays are one compiled pass
@@ -51,6 +56,7 @@ from .execution import compiling, torch_transforming
 from .namespace import loaded_numpy, torch_module, torch_namespace_of
 
 __all__ = [
+    "aligned_empty",
     "compiled_available",
     "compiled_tokens",
     "decay_factors",
@@ -80,26 +86,35 @@ def delta_tokens(
     written."""
     T, Q = k.shape[1:3]
     for h in range(lo, hi):
-        p, r, source, spare = _head(S, S_out, h, Q, T)
-        error = v[p, 0, r].copy()  # (c,): S'^T k, then beta (v - S'^T k)
-        ahead = v[p, 0, r].copy()  # (c,): the next token's S'^T k, summed as S_t is written
-        _read(source, k[p, 0, r], error, _gates(decay, p, 0, r))
-        for t in range(T):
-            gates, key = _gates(decay, p, t, r), k[p, t, r]
-            b, value = beta[p, t, r, 0], v[p, t, r]
-            for j in range(error.shape[0]):
-                error[j] = b * (value[j] - error[j])
-            state = _buffer(S_out, spare, h, T, t)
-            if t + 1 < T:
-                _decay_and_add(
-                    source, state, out[p, t, r], gates, key, q[p, t, r], error,
-                    ahead=ahead, ahead_weights=k[p, t + 1, r],
-                    ahead_gates=_gates(decay, p, t + 1, r),
-                )  # fmt: skip
-                error, ahead = ahead, error
-            else:
-                _decay_and_add(source, state, out[p, t, r], gates, key, q[p, t, r], error)
-            source = state
+        p, r = h // Q, h % Q
+        error = _scratch(v[p, 0, r])  # (c,): S'^T k, then beta (v - S'^T k)
+        ahead = _scratch(v[p, 0, r])  # (c,): the next token's S'^T k, summed as S_t is written
+        _read(S[h], k[p, 0, r], error, _gates(decay, p, 0, r))
+        error, ahead = _delta_token(S[h], S_out[h], q, k, v, beta, decay, out, error, ahead,
+                                    p, 0, r)  # fmt: skip
+        for t in range(1, T):
+            error, ahead = _delta_token(None, S_out[h], q, k, v, beta, decay, out, error,
+                                        ahead, p, t, r)  # fmt: skip
+
+
+def _delta_token(
+    source: Any, state: Any, q: Any, k: Any, v: Any, beta: Any, decay: Any, out: Any,
+    error: Any, ahead: Any, p: int, t: int, r: int,
+) -> tuple[Any, Any]:
+    """Token ``t`` of :func:`delta_tokens` from ``source`` into ``state`` (in place where
+    ``source`` is ``None``), ``error`` holding its read ``S'^T k``; returns the next token's
+    ``(error, ahead)``."""
+    gates, key, b, value = _gates(decay, p, t, r), k[p, t, r], beta[p, t, r, 0], v[p, t, r]
+    for j in range(error.shape[0]):
+        error[j] = b * (value[j] - error[j])
+    if t + 1 < k.shape[1]:
+        _decay_and_add(
+            source, state, out[p, t, r], gates, key, q[p, t, r], error, ahead=ahead,
+            ahead_weights=k[p, t + 1, r], ahead_gates=_gates(decay, p, t + 1, r),
+        )  # fmt: skip
+        return ahead, error
+    _decay_and_add(source, state, out[p, t, r], gates, key, q[p, t, r], error)
+    return error, ahead
 
 
 def linear_tokens(
@@ -112,15 +127,16 @@ def linear_tokens(
     ``(P, T, Q, 1)`` (the normalizers ``z_t^T q``) written."""
     T, Q = k.shape[1:3]
     for h in range(lo, hi):
-        p, r, source, spare = _head(S, S_out, h, Q, T)
-        z_source, z_state = z[h], z_out[h]
-        for t in range(T):
-            state = _buffer(S_out, spare, h, T, t)
+        p, r = h // Q, h % Q
+        den[p, 0, r, 0] = _decay_and_add(
+            S[h], S_out[h], out[p, 0, r], _gates(decay, p, 0, r), k[p, 0, r], q[p, 0, r],
+            v[p, 0, r], z[h], z_out[h],
+        )  # fmt: skip
+        for t in range(1, T):
             den[p, t, r, 0] = _decay_and_add(
-                source, state, out[p, t, r], _gates(decay, p, t, r), k[p, t, r], q[p, t, r],
-                v[p, t, r], z_source, z_state,
-            )
-            source, z_source = state, z_state
+                None, S_out[h], out[p, t, r], _gates(decay, p, t, r), k[p, t, r], q[p, t, r],
+                v[p, t, r], z_out[h], z_out[h],
+            )  # fmt: skip
 
 
 def dplr_tokens(
@@ -133,37 +149,43 @@ def dplr_tokens(
     read before the decay."""
     T, Q = k.shape[1:3]
     for h in range(lo, hi):
-        p, r, source, spare = _head(S, S_out, h, Q, T)
-        read = v[p, 0, r].copy()  # (c,): a^T S
-        ahead = v[p, 0, r].copy()  # (c,): the next token's a^T S, summed as S_t is written
-        _read(source, a[p, 0, r], read)
-        for t in range(T):
-            gates, key, query = _gates(decay, p, t, r), k[p, t, r], q[p, t, r]
-            value, o, low = v[p, t, r], out[p, t, r], b[p, t, r]
-            state = _buffer(S_out, spare, h, T, t)
-            if t + 1 < T:
-                _dplr_rows(source, state, o, gates, key, query, value, low, read, ahead,
-                           a[p, t + 1, r])  # fmt: skip
-                read, ahead = ahead, read
-            else:
-                _dplr_rows(source, state, o, gates, key, query, value, low, read)
-            source = state
+        p, r = h // Q, h % Q
+        read = _scratch(v[p, 0, r])  # (c,): a^T S
+        ahead = _scratch(v[p, 0, r])  # (c,): the next token's a^T S, summed as S_t is written
+        _read(S[h], a[p, 0, r], read)
+        read, ahead = _dplr_token(S[h], S_out[h], q, k, v, a, b, decay, out, read, ahead,
+                                  p, 0, r)  # fmt: skip
+        for t in range(1, T):
+            read, ahead = _dplr_token(None, S_out[h], q, k, v, a, b, decay, out, read, ahead,
+                                      p, t, r)  # fmt: skip
+
+
+def _dplr_token(
+    source: Any, state: Any, q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any, out: Any,
+    read: Any, ahead: Any, p: int, t: int, r: int,
+) -> tuple[Any, Any]:
+    """Token ``t`` of :func:`dplr_tokens` (as :func:`_delta_token`), ``read`` its ``a^T S``;
+    returns the next token's ``(read, ahead)``."""
+    gates, key, query = _gates(decay, p, t, r), k[p, t, r], q[p, t, r]
+    value, o, low = v[p, t, r], out[p, t, r], b[p, t, r]
+    if t + 1 < k.shape[1]:
+        _dplr_rows(source, state, o, gates, key, query, value, low, read, ahead,
+                   a[p, t + 1, r])  # fmt: skip
+        return ahead, read
+    _dplr_rows(source, state, o, gates, key, query, value, low, read)
+    return read, ahead
 
 
 # The kernels' shared pieces: plain functions that the kernels call, compiled by Numba in their
 # place before the first kernel compiles (:func:`_compile_pieces`).
 
 
-def _head(S: Any, S_out: Any, h: int, Q: int, T: int) -> tuple[int, int, Any, Any]:
-    """State ``h``'s token row ``(p, r)``, its state read, and its spare buffer: its result
-    ``S_out[h]`` for one token, else a second buffer (module docstring)."""
-    spare = S_out[h] if T == 1 else S_out[h].copy()
-    return h // Q, h % Q, S[h], spare
-
-
-def _buffer(S_out: Any, spare: Any, h: int, T: int, t: int) -> Any:
-    """The buffer that token ``t`` writes: they alternate, the last token's is ``S_out[h]``."""
-    return S_out[h] if (T - 1 - t) % 2 == 0 else spare
+def _scratch(like: Any) -> Any:
+    """A new array ``(c,)`` of ``like``'s dtype at an address that is a multiple of
+    :data:`ALIGNMENT` (Numba's own arrays are at multiples of 32 bytes)."""
+    buffer = _NUMPY.empty(like.shape[0] + ALIGNMENT // like.itemsize, like.dtype)
+    start = (-buffer.ctypes.data % ALIGNMENT) // like.itemsize
+    return buffer[start : start + like.shape[0]]
 
 
 def _gates(decay: Any, p: int, t: int, r: int) -> Any:
@@ -195,22 +217,28 @@ def _decay_and_add(
     ahead_gates: Any = None,
 ) -> Any:
     """``state = diag(gates) source + key value^T`` and ``out = state^T query``, row by row:
-    each row written once and read once more for the output while it is in registers. With
-    linear attention's normalizer ``z`` also ``z_state = diag(gates) z_source + key``, and
-    ``z_state^T query`` returned (its sum in the same loop: a loop of its own waited on each
-    addition, GLA's loop 1.13-1.22x slower). With ``ahead``, also the next token's read
-    ``ahead = state^T (ahead_gates * ahead_weights)`` (:func:`_read` of the new state, the same
-    sums in the same order), so that a token costs one pass over its state, not two."""
+    each row written once and read once more for the output while it is in registers;
+    ``source`` ``None``: in place, ``state = diag(gates) state + key value^T`` (module
+    docstring). With linear attention's normalizer ``z`` also ``z_state = diag(gates)
+    z_source + key``, and ``z_state^T query`` returned (its sum in the same loop: a loop of its
+    own waited on each addition, GLA's loop 1.13-1.22x slower). With ``ahead``, also the next
+    token's read ``ahead = state^T (ahead_gates * ahead_weights)`` (:func:`_read` of the new
+    state, the same sums in the same order), so that a token costs one pass over its state,
+    not two."""
     out[:] = 0
     if ahead is not None:
         ahead[:] = 0
     total = 0 * out[0]
-    for i in range(source.shape[0]):
+    for i in range(state.shape[0]):
         gate, ki, qi = _gate(gates, i), key[i], query[i]
         if z_state is not None:
             z_state[i] = ki + gate * z_source[i]
             total += qi * z_state[i]
-        row, new = source[i], state[i]
+        new = state[i]
+        if source is None:  # one array read and written: the compiler sees that it is one
+            row = new
+        else:
+            row = source[i]
         if ahead is None:  # two loops: a test of ahead inside one left it 1.4x slower
             for j in range(value.shape[0]):
                 x = gate * row[j] + ki * value[j]
@@ -231,14 +259,18 @@ def _dplr_rows(
     read: Any, ahead: Any = None, ahead_weights: Any = None,
 ) -> None:
     """RWKV-7's ``state = diag(gates) source + low read^T + key value^T`` and ``out = state^T
-    query``, row by row; with ``ahead``, also the next token's ``ahead = state^T
-    ahead_weights`` (as :func:`_decay_and_add`)."""
+    query``, row by row (``source`` ``None``: in place); with ``ahead``, also the next token's
+    ``ahead = state^T ahead_weights`` (as :func:`_decay_and_add`)."""
     out[:] = 0
     if ahead is not None:
         ahead[:] = 0
-    for i in range(source.shape[0]):
+    for i in range(state.shape[0]):
         gate, bi, ki, qi = _gate(gates, i), low[i], key[i], query[i]
-        row, new = source[i], state[i]
+        new = state[i]
+        if source is None:
+            row = new
+        else:
+            row = source[i]
         if ahead is None:
             for j in range(value.shape[0]):
                 x = (gate * row[j] + bi * read[j]) + ki * value[j]
@@ -358,7 +390,8 @@ def _exp_constants(numpy: Any) -> Any:
     return constants
 
 
-_PIECES = ("_head", "_buffer", "_gates", "_gate", "_read", "_decay_and_add", "_dplr_rows")
+_PIECES = ("_scratch", "_gates", "_gate", "_read", "_decay_and_add", "_dplr_rows", "_delta_token",
+           "_dplr_token")
 _LOOPS = ("_read", "_decay_and_add", "_dplr_rows")  # compiled apart: see _compile_pieces
 
 
@@ -406,6 +439,8 @@ def _compile_pieces(numba: Any) -> None:
     it, and calls compiled functions only. Compiled apart (not inlined into the kernel's Numba
     code, which took GLA's loop from 20 to 25-28 ms), they run as fast as the loops written
     out. Called from Python the compiled pieces do what the plain ones do."""
+    global _NUMPY
+    _NUMPY = loaded_numpy()
     for name in _PIECES:
         inline = "never" if name in _LOOPS else "always"
         globals()[name] = numba.njit(inline=inline, fastmath={"contract"})(globals()[name])
@@ -499,13 +534,17 @@ def compiled_tokens(
         flat[-1] = decay_factors(flat[-1])
     if scale != 1.0 and not scale_output:
         flat[0] = flat[0] * scale  # a new array: flat[0] may be the caller's
+    if not step and flat[2].ctypes.data % ALIGNMENT:  # v: read in every row's inner loop
+        values, flat[2] = flat[2], aligned_empty(numpy, flat[2].shape, dtype)
+        flat[2][...] = values
     if decay is None:
         flat.append(numpy.ones((1, 1, 1, 1), dtype=dtype))
     flat.append(numpy.ascontiguousarray(state.reshape(n, m, c)))
-    results = [layout.empty(c, dtype), numpy.empty((n, m, c), dtype=dtype)]
+    results = [layout.empty(c, dtype, None if step else flat[2]),
+               aligned_empty(numpy, (n, m, c), dtype)]
     if z is not None:
         flat.append(numpy.ascontiguousarray(views[-1].reshape(n, m)))
-        results += [numpy.empty((n, m), dtype=dtype), layout.empty(1, dtype)]
+        results += [aligned_empty(numpy, (n, m), dtype), layout.empty(1, dtype)]
     parts = min(n, kernel_threads(state is not S), n * T * m * c // PART_SIZE)
     if parts > 1:
         in_parts(run, [*flat, *results], n, parts)
@@ -553,9 +592,11 @@ class _Layout:
             x = numpy.moveaxis(x, -2, self.split)
         return numpy.ascontiguousarray(x.reshape(self.n // self.Q, rows, self.Q, width))
 
-    def empty(self, width: int, dtype: Any) -> Any:
-        """A result the kernels write, ``(P, T, Q, width)``."""
-        return self.numpy.empty((self.n // self.Q, self.T, self.Q, width), dtype=dtype)
+    def empty(self, width: int, dtype: Any, apart: Any = None) -> Any:
+        """A result the kernels write, ``(P, T, Q, width)`` (``apart``: see
+        :func:`aligned_empty`)."""
+        shape = (self.n // self.Q, self.T, self.Q, width)
+        return aligned_empty(self.numpy, shape, dtype, apart)
 
     def given(self, x: Any) -> Any:
         """A result ``(P, T, Q, width)`` as the caller's ``(..., T, width)`` (a view)."""
@@ -564,6 +605,30 @@ class _Layout:
             return x.reshape(*lead, width)
         x = x.reshape(*lead[: self.split], self.T, *lead[self.split :], width)
         return self.numpy.moveaxis(x, self.split, -2)
+
+
+#: The byte multiple at which the kernels' results and scratch arrays start: a cache line, so
+#: that a row of 16 float32 is one line, not two. NumPy puts its arrays at multiples of 16
+#: bytes; at others GLA's loop at 32 heads x 64, T = 512, ran 1.8x longer on a Zen 4 core
+#: (every 512-bit load and store of the state and output rows split across two lines).
+ALIGNMENT = 64
+#: A page of memory: a load whose address differs from an earlier store's by a multiple of it
+#: waits on that store (its last 12 bits are compared first).
+PAGE = 4096
+
+
+def aligned_empty(numpy: Any, shape: tuple[int, ...], dtype: Any, apart: Any = None) -> Any:
+    """An uninitialized C-contiguous ``numpy`` array starting at a multiple of
+    :data:`ALIGNMENT` bytes (a view of a slightly larger one); with ``apart`` (an array), half
+    a page from its start in the addresses' last 12 bits."""
+    size, itemsize = math.prod(shape), numpy.dtype(dtype).itemsize
+    page = 0 if apart is None else PAGE
+    buffer = numpy.empty(size + (ALIGNMENT + page) // itemsize, dtype=dtype)
+    at = buffer.ctypes.data
+    want = ALIGNMENT if apart is None else PAGE
+    target = 0 if apart is None else (apart.ctypes.data + PAGE // 2) % PAGE
+    start = ((target - at) % want) // itemsize
+    return buffer[start : start + size].reshape(shape)
 
 
 def _token_major(numpy: Any, q: Any, lead: tuple[int, ...]) -> int:
