@@ -158,3 +158,25 @@ def test_steps_the_kernels_do_not_take_have_no_compiled_step(library: str, case:
                              for a in (q, k, v, beta))  # fmt: skip
         step(q, k, v, beta, {"no state": None, "shared state": S[:1]}.get(case, S))
     assert step._plan.compiled is None
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_steps_over_large_states_write_at_cache_lines(
+    monkeypatch: pytest.MonkeyPatch, library: str
+) -> None:
+    """From ``ALIGNED_STEP_BYTES`` of states on, the new state and the output start at
+    multiples of 64 bytes (below, where NumPy puts them); the numbers are the same either way."""
+    from polylin._backend import compiled_step
+
+    x = _tokens(library, "float32")
+    step = polylin.prepare_delta_rule_step()
+    call = lambda: step(x["q"], x["k"], x["v"], x["beta"], x["S"], log_decay=x["g1"])  # noqa: E731
+    small = call()
+    # this step's states are 2 x 3 x 8 x 10 float32: 1920 bytes
+    monkeypatch.setattr(compiled_step, "ALIGNED_STEP_BYTES", 1920)
+    step = polylin.prepare_delta_rule_step()  # a new plan, built under the new threshold
+    large = call()
+    for got, want in zip(large, small, strict=True):
+        got = got.numpy() if library == "torch" else got
+        assert got.ctypes.data % 64 == 0
+        np.testing.assert_array_equal(got, want.numpy() if library == "torch" else want)

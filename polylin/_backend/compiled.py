@@ -85,10 +85,10 @@ def delta_tokens(
     ``(h // Q, h % Q)``. ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q, c)`` and ``S_out``
     written."""
     T, Q = k.shape[1:3]
+    error = _scratch(v)  # (c,): S'^T k, then beta (v - S'^T k)
+    ahead = _scratch(v)  # (c,): the next token's S'^T k, summed as S_t is written
     for h in range(lo, hi):
         p, r = h // Q, h % Q
-        error = _scratch(v[p, 0, r])  # (c,): S'^T k, then beta (v - S'^T k)
-        ahead = _scratch(v[p, 0, r])  # (c,): the next token's S'^T k, summed as S_t is written
         _read(S[h], k[p, 0, r], error, _gates(decay, p, 0, r))
         error, ahead = _delta_token(S[h], S_out[h], q, k, v, beta, decay, out, error, ahead,
                                     p, 0, r)  # fmt: skip
@@ -148,10 +148,10 @@ def dplr_tokens(
     ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q, c)`` and ``S_out`` written. ``a^T S`` is
     read before the decay."""
     T, Q = k.shape[1:3]
+    read = _scratch(v)  # (c,): a^T S
+    ahead = _scratch(v)  # (c,): the next token's a^T S, summed as S_t is written
     for h in range(lo, hi):
         p, r = h // Q, h % Q
-        read = _scratch(v[p, 0, r])  # (c,): a^T S
-        ahead = _scratch(v[p, 0, r])  # (c,): the next token's a^T S, summed as S_t is written
         _read(S[h], a[p, 0, r], read)
         read, ahead = _dplr_token(S[h], S_out[h], q, k, v, a, b, decay, out, read, ahead,
                                   p, 0, r)  # fmt: skip
@@ -180,12 +180,13 @@ def _dplr_token(
 # place before the first kernel compiles (:func:`_compile_pieces`).
 
 
-def _scratch(like: Any) -> Any:
-    """A new array ``(c,)`` of ``like``'s dtype at an address that is a multiple of
-    :data:`ALIGNMENT` (Numba's own arrays are at multiples of 32 bytes)."""
-    buffer = _NUMPY.empty(like.shape[0] + ALIGNMENT // like.itemsize, like.dtype)
-    start = (-buffer.ctypes.data % ALIGNMENT) // like.itemsize
-    return buffer[start : start + like.shape[0]]
+def _scratch(v: Any) -> Any:
+    """A new row ``(c,)`` for the values ``v`` ``(P, T, Q, c)``, of their dtype, at an address
+    that is a multiple of :data:`ALIGNMENT` (Numba's own arrays are at multiples of 32 bytes)."""
+    width = v.shape[3]
+    buffer = _NUMPY.empty(width + ALIGNMENT // v.itemsize, v.dtype)
+    start = (-buffer.ctypes.data % ALIGNMENT) // v.itemsize
+    return buffer[start : start + width]
 
 
 def _gates(decay: Any, p: int, t: int, r: int) -> Any:
