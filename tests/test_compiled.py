@@ -235,6 +235,9 @@ def test_every_layout_of_the_tokens_gives_the_same_bits(name: str) -> None:
     want = results.pop("head-major")
     for got in results.values():
         for a, b in zip(got, want, strict=True):
+            if b is None:  # linear attention's normalizers: computed for eps alone
+                assert a is None
+                continue
             assert a.shape == b.shape
             np.testing.assert_array_equal(a, b)
     # token-major tokens give a token-major output, as the caller laid them out
@@ -467,3 +470,20 @@ def test_aligned_arrays_start_at_cache_lines_and_half_a_page_apart() -> None:
             b = compiled.aligned_empty(np, shape, np.dtype(dtype), apart=a)
             assert (b.ctypes.data - a.ctypes.data) % 4096 == 2048
             assert b.flags.writeable and b.shape == shape
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+def test_the_normalizers_are_computed_where_they_divide(gate: str) -> None:
+    """A sequence without ``eps`` returns no normalizers, and the keys' sum ``z`` (a loop of
+    its own then) has the bits of the one summed with the normalizers (``eps`` given)."""
+    x = _inputs("numpy", "float32", gate)
+    tokens = [np.abs(x[n].transpose(0, 2, 1, 3)) for n in ("q", "k")]
+    tokens.append(x["v"].transpose(0, 2, 1, 3))
+    decay = np.exp(x["g"].transpose(0, 2, 1, 3)) if gate != "none" else None
+    S, z = x["S"], np.abs(x["S"][..., 0])
+    plain = compiled.compiled_tokens("linear", tokens, decay, S, z, step=False)
+    divided = compiled.compiled_tokens("linear", tokens, decay, S, z, step=False, eps=1e-6)
+    assert plain[3] is None and divided[3].shape == (B, H, T, 1)
+    np.testing.assert_array_equal(plain[1], divided[1])
+    np.testing.assert_array_equal(plain[2], divided[2])
+    np.testing.assert_array_equal(plain[0] / (divided[3] + np.float32(1e-6)), divided[0])
