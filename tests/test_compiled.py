@@ -487,3 +487,24 @@ def test_the_normalizers_are_computed_where_they_divide(gate: str) -> None:
     np.testing.assert_array_equal(plain[1], divided[1])
     np.testing.assert_array_equal(plain[2], divided[2])
     np.testing.assert_array_equal(plain[0] / (divided[3] + np.float32(1e-6)), divided[0])
+
+
+@pytest.mark.parametrize("name", ["delta", "linear", "dplr"])
+def test_large_token_major_arrays_are_read_from_head_major_copies(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Above ``HEAD_MAJOR_BYTES`` token-major tokens are copied head-major (the output too
+    comes head-major), with the same bits as read where they are."""
+    x = _inputs("numpy", "float32", "channel")
+    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
+             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
+    tokens = [x[n].transpose(0, 2, 1, 3) for n in (*names, "g")]  # token-major views
+    tokens[-1] = np.exp(tokens[-1])
+    z = x["S"][..., 0] if name == "linear" else None
+    read = compiled.compiled_tokens(name, tokens[:-1], tokens[-1], x["S"], z, step=False)
+    monkeypatch.setattr(compiled, "HEAD_MAJOR_BYTES", tokens[0].nbytes - 1)
+    copied = compiled.compiled_tokens(name, tokens[:-1], tokens[-1], x["S"], z, step=False)
+    assert np.moveaxis(read[0], 2, 1).flags.c_contiguous  # token-major
+    assert copied[0].flags.c_contiguous  # head-major
+    for a, b in zip(copied, read, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -599,15 +599,17 @@ class _Layout:
     """How the kernels see the per-token arrays of states of leading dimensions ``lead``:
     ``(P, T, Q, width)``, the state ``h`` being token row ``(h // Q, h % Q)``.
 
-    Head-major (``Q = 1``) for one token and for arrays laid out ``(..., T, width)``;
-    token-major where ``q`` is a view of an array whose last ``after`` leading dimensions
-    follow the token axis in memory (``(B, T, H, d)`` seen as ``(B, H, T, d)``: ``after = 1``,
-    ``Q = H``), so that the caller's arrays are read where they are."""
+    Head-major (``Q = 1``) for one token, for arrays laid out ``(..., T, width)`` and for
+    arrays of more than :data:`HEAD_MAJOR_BYTES` (copied); token-major where ``q`` is a view of
+    an array whose last ``after`` leading dimensions follow the token axis in memory (``(B, T,
+    H, d)`` seen as ``(B, H, T, d)``: ``after = 1``, ``Q = H``), so that the caller's arrays
+    are read where they are."""
 
     def __init__(self, numpy: Any, lead: tuple[int, ...], T: int, q: Any, step: bool) -> None:
         self.numpy, self.lead, self.T, self.step = numpy, lead, T, step
         self.n = math.prod(lead)
-        self.split = len(lead) - (0 if step else _token_major(numpy, q, lead))
+        copied = step or q.nbytes > HEAD_MAJOR_BYTES
+        self.split = len(lead) - (0 if copied else _token_major(numpy, q, lead))
         self.Q = math.prod(lead[self.split :])
 
     def read(self, x: Any, rows: int) -> Any | None:
@@ -661,6 +663,14 @@ def aligned_empty(numpy: Any, shape: tuple[int, ...], dtype: Any, apart: Any = N
     target = 0 if apart is None else (apart.ctypes.data + PAGE // 2) % PAGE
     start = ((target - at) % want) // itemsize
     return buffer[start : start + size].reshape(shape)
+
+
+#: The size above which a token-major array is read from a head-major copy: a head's token
+#: rows then lie a page or more apart in arrays larger than the caches, each row a miss that
+#: the prefetchers do not see coming (the gated delta rule at 16 x 64, T = 4096, 16 MiB per
+#: array, Zen 4: 0.73-0.74x the time with the copies; at T = 512, 2 MiB, 1.01-1.04x; RWKV-7 at
+#: 32 x 64, T = 512, 4 MiB, 1.14x; at 32 x 128, T = 1024, 16 MiB, 1.00x).
+HEAD_MAJOR_BYTES = 1 << 23
 
 
 def _token_major(numpy: Any, q: Any, lead: tuple[int, ...]) -> int:
