@@ -508,3 +508,28 @@ def test_large_token_major_arrays_are_read_from_head_major_copies(
     assert copied[0].flags.c_contiguous  # head-major
     for a, b in zip(copied, read, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("m", [7, 8])
+def test_rwkv7_loop_for_odd_and_even_key_channels(m: int) -> None:
+    """RWKV-7's loop over 7 or 8 key channels: the sequence has its steps' bits and the
+    array-API loop's numbers."""
+    rng = np.random.default_rng(5)
+    q, k, a, b = (rng.standard_normal((2, 3, T, m)).astype(np.float32) / 2 for _ in range(4))
+    v = rng.standard_normal((2, 3, T, 5)).astype(np.float32)
+    decay = np.exp(-rng.random((2, 3, T, m))).astype(np.float32)
+    S = rng.standard_normal((2, 3, m, 5)).astype(np.float32)
+    out, state = compiled.compiled_tokens("dplr", [q, k, v, a, b], decay, S, step=False)
+    outputs, at = [], S
+    for t in range(T):
+        o, at = compiled.compiled_tokens(
+            "dplr", [x[:, :, t] for x in (q, k, v, a, b)], decay[:, :, t], at, step=True)
+        outputs.append(o)
+    np.testing.assert_array_equal(out, np.stack(outputs, axis=-2))
+    np.testing.assert_array_equal(state, at)
+    want = _without_kernels(lambda: polylin.dplr_delta_rule(
+        q, k, v, a, b, log_decay=np.log(decay), initial_state=S, return_state=True,
+        method="recurrent"))  # fmt: skip
+    scale = float(np.abs(want[0]).max())
+    np.testing.assert_allclose(out, want[0], rtol=0, atol=2e-5 * scale)
+    np.testing.assert_allclose(state, want[1], rtol=0, atol=2e-5 * float(np.abs(want[1]).max()))
