@@ -172,7 +172,8 @@ class CompiledStep:
         results = [self._empty(numpy, (n, 1, 1, c), dtype), self._empty(numpy, (n, m, c), dtype)]
         if self._linear:
             flat.append(numpy.ascontiguousarray(given[-1].reshape(n, m)))
-            results += [numpy.empty((n, m), dtype=dtype), numpy.empty((n, 1, 1, 1), dtype=dtype)]
+            den = None if self._eps is None else numpy.empty((n, 1, 1, 1), dtype=dtype)
+            results += [numpy.empty((n, m), dtype=dtype), den]  # no normalizers: none computed
         run(*flat, *results, 0, n)
         out = results[0]
         if self._scale != 1.0 and self._scale_output:
