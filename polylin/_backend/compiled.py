@@ -35,7 +35,9 @@ answers ``None`` and the array-API forms run.
 Only NumPy arrays and PyTorch CPU tensors without a gradient to record qualify
 (:func:`compiled_tokens`): Numba reads them as NumPy arrays that share their memory. The
 kernels read the per-token arrays where the caller laid them out, token-major or head-major
-(:class:`_Layout`), and a long call's states are split between threads (:data:`PART_SIZE`).
+(:class:`_Layout`; arrays above :data:`HEAD_MAJOR_BYTES` from head-major copies), linear
+attention's loop sums the normalizers only where they divide the output, and a long call's
+states are split between threads (:data:`PART_SIZE`).
 This module imports no array library (rule 1 of ARCHITECTURE.md): a tensor's NumPy view is
 made by the tensor's own library, and the results are allocated by the NumPy that the arrays'
 views show to be imported.
