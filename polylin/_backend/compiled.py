@@ -14,10 +14,10 @@ results agree with the array-API step's to rounding; the order of the sums diffe
 
 A head's first token reads the caller's state and writes the result's; the tokens after it
 update the result in place, its row ``i`` read and written through one array, so that the
-compiler sees them to be one (where two arrays held the same memory, it could not prove them
-apart and left the loop unvectorized: GLA's loop at 32 heads x 64, T = 512, 70 ms against
-16 ms), and a head's state is one buffer in the core's cache, not two. The results and the
-loops' scratch rows start at multiples of 64 bytes (:func:`aligned_empty`; NumPy's arrays are
+compiler sees them to be one (two arrays holding the same memory cannot be proven apart, and
+such a loop stays unvectorized: GLA's loop at 32 heads x 64, T = 512, 70 ms against 16 ms),
+and a head's state is one buffer in the core's cache, not two. The results and the loops'
+scratch rows start at multiples of 64 bytes (:func:`aligned_empty`; NumPy's arrays are
 at multiples of 16), so that a row of 16 float32 is one cache line, not two, and the output
 half a page from the values that the same loop reads. Multiply-adds may be fused
 (``fastmath={"contract"}``, nothing reassociated: 11 ms). The delta rules' loops sum the next
@@ -142,7 +142,7 @@ def _linear_token(
     """Token ``t`` of :func:`linear_tokens` from ``source`` and ``z_source`` into ``state`` and
     ``z_state`` (in place where they are ``None``). Without normalizers (``den`` ``None``) the
     keys' sum ``z`` is a loop of its own after the state's: in the state's loop its store and
-    the normalizer's sum took GLA's loop at 32 x 64, T = 512, 1.2x longer."""
+    the normalizer's sum make GLA's loop at 32 x 64, T = 512, 1.2x longer."""
     gates, key, query, value = _gates(decay, p, t, r), k[p, t, r], q[p, t, r], v[p, t, r]
     o = out[p, t, r]
     if den is None:
