@@ -494,7 +494,9 @@ def test_large_token_major_arrays_are_read_from_head_major_copies(
     monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     """Above ``HEAD_MAJOR_BYTES`` token-major tokens are copied head-major (the output too
-    comes head-major), with the same bits as read where they are."""
+    comes head-major) where the kernel updates the states one at a time (each larger than
+    ``ACROSS_BYTES``), with the same bits as read where they are; states that run together
+    read them where they are."""
     x = _inputs("numpy", "float32", "channel")
     names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
              "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
@@ -503,11 +505,85 @@ def test_large_token_major_arrays_are_read_from_head_major_copies(
     z = x["S"][..., 0] if name == "linear" else None
     read = compiled.compiled_tokens(name, tokens[:-1], tokens[-1], x["S"], z, step=False)
     monkeypatch.setattr(compiled, "HEAD_MAJOR_BYTES", tokens[0].nbytes - 1)
+    together = compiled.compiled_tokens(name, tokens[:-1], tokens[-1], x["S"], z, step=False)
+    monkeypatch.setattr(compiled, "ACROSS_BYTES", 1)
     copied = compiled.compiled_tokens(name, tokens[:-1], tokens[-1], x["S"], z, step=False)
-    assert np.moveaxis(read[0], 2, 1).flags.c_contiguous  # token-major
+    for token_major in (read[0], together[0]):
+        assert np.moveaxis(token_major, 2, 1).flags.c_contiguous
     assert copied[0].flags.c_contiguous  # head-major
-    for a, b in zip(copied, read, strict=True):
+    for a, b, c in zip(copied, read, together, strict=True):
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(c, b)
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+@pytest.mark.parametrize("name", ["delta", "linear", "dplr"])
+def test_states_updated_together_give_the_bits_of_one_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, name: str, parts: int
+) -> None:
+    """The states of a token row that the kernel updates token by token together (as many as
+    ``ACROSS_BYTES`` holds: blocks of 1, 2 and all 3 heads, within each thread's part of the
+    states) give the bits of each state's tokens run on their own."""
+    x = _inputs("numpy", "float32", "channel")
+    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
+             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
+    tokens = [x[n].transpose(0, 2, 1, 3) for n in (*names, "g")]  # token-major views
+    tokens[-1] = np.exp(tokens[-1])
+    z = x["S"][..., 0] if name == "linear" else None
+    widths: list[int] = []
+    real = compiled.kernel
+
+    def spied(kernel_name: str) -> Any:
+        run = real(kernel_name)
+        return lambda *args: (widths.append(args[-3]), run(*args))
+
+    monkeypatch.setattr(compiled, "kernel", spied)
+    monkeypatch.setattr(compiled, "PART_SIZE", 1 if parts > 1 else compiled.PART_SIZE)
+    monkeypatch.setattr(compiled, "kernel_threads", lambda tensors: parts)
+    size = x["S"][0, 0].nbytes
+    results = []
+    for width in (1, 2, 3):
+        monkeypatch.setattr(compiled, "ACROSS_BYTES", width * size + size // 2)
+        results.append(compiled.compiled_tokens(name, tokens[:-1], tokens[-1], x["S"], z,
+                                                step=False))  # fmt: skip
+    assert sorted(set(widths)) == [1, 2, 3]
+    for got in results[1:]:
+        for a, b in zip(got, results[0], strict=True):
+            if b is not None:
+                np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
+@pytest.mark.parametrize("name", ["delta", "linear", "dplr"])
+def test_shared_token_rows_are_read_for_every_state_not_copied(
+    monkeypatch: pytest.MonkeyPatch, name: str, layout: str
+) -> None:
+    """Keys and queries shared by every state (Mamba-2's ``B`` and ``C`` of one group) reach
+    the kernel as one state's, not copied to each, and give the bits of the copies."""
+    x = _inputs("numpy", "float32", "channel")
+    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
+             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
+    tokens = [x[n].transpose(0, 2, 1, 3) for n in names]  # (B, H, T, w) token-major views
+    if layout == "head-major":
+        tokens = [np.ascontiguousarray(t) for t in tokens]
+    decay = np.exp(x["g"].transpose(0, 2, 1, 3))
+    shared = [t[:1, :1] for t in tokens[:2]]  # one state's q and k for all
+    copies = [np.ascontiguousarray(np.broadcast_to(t, tokens[0].shape)) for t in shared]
+    z = x["S"][..., 0] if name == "linear" else None
+    want = compiled.compiled_tokens(name, [*copies, *tokens[2:]], decay, x["S"], z, step=False)
+    seen: list[tuple[int, ...]] = []
+    real = compiled.kernel
+
+    def spied(kernel_name: str) -> Any:
+        run = real(kernel_name)
+        return lambda *args: (seen.extend(a.shape for a in args[:2]), run(*args))
+
+    monkeypatch.setattr(compiled, "kernel", spied)
+    got = compiled.compiled_tokens(name, [*shared, *tokens[2:]], decay, x["S"], z, step=False)
+    for a, b in zip(got, want, strict=True):
+        if b is not None:
+            np.testing.assert_array_equal(a, b)
+    assert seen == [(1, T, 1, D)] * 2  # (P, T, Q, width), not (B x H, T, 1, D) or (B, T, H, D)
 
 
 @pytest.mark.parametrize("m", [7, 8])

@@ -34,8 +34,12 @@ without it, or with the environment variable ``POLYLIN_COMPILED=0``, :func:`comp
 answers ``None`` and the array-API forms run.
 Only NumPy arrays and PyTorch CPU tensors without a gradient to record qualify
 (:func:`compiled_tokens`): Numba reads them as NumPy arrays that share their memory. The
-kernels read the per-token arrays where the caller laid them out, token-major or head-major
-(:class:`_Layout`; arrays above :data:`HEAD_MAJOR_BYTES` from head-major copies), linear
+kernels read the per-token arrays where the caller laid them out, token-major or head-major,
+rows shared by the states (a broadcast array's) once for all (:class:`_Layout`). Over
+token-major arrays the states of a token row that :data:`ACROSS_BYTES` holds run token by
+token together, so that each token's rows are read in the order they lie in memory while the
+states stay in the core's cache (one state at a time, each token's row a page or more from
+the last: above :data:`HEAD_MAJOR_BYTES` such arrays are copied head-major). Linear
 attention's loop sums the normalizers only where they divide the output, and a long call's
 states are split between threads (:data:`PART_SIZE`).
 This module imports no array library (rule 1 of ARCHITECTURE.md): a tensor's NumPy view is
@@ -78,61 +82,77 @@ ENVIRONMENT = "POLYLIN_COMPILED"
 
 
 def delta_tokens(
-    q: Any, k: Any, v: Any, beta: Any, decay: Any, S: Any, out: Any, S_out: Any, lo: int,
-    hi: int,
+    q: Any, k: Any, v: Any, beta: Any, decay: Any, S: Any, out: Any, S_out: Any, width: int,
+    lo: int, hi: int,
 ) -> None:
     """The gated delta rule over ``T`` tokens for the states ``lo`` to ``hi``: ``q, k``
     ``(P, T, Q, m)``, ``v`` ``(P, T, Q, c)``, ``beta`` ``(P, T, Q, 1)``, ``decay`` ``exp(g)``
-    ``(P or 1, T or 1, Q or 1, m or 1)`` (ones for no decay); state ``h`` is token row
-    ``(h // Q, h % Q)``. ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q, c)`` and ``S_out``
-    written."""
-    T, Q = k.shape[1:3]
-    error = _scratch(v)  # (c,): S'^T k, then beta (v - S'^T k)
-    ahead = _scratch(v)  # (c,): the next token's S'^T k, summed as S_t is written
-    for h in range(lo, hi):
-        p, r = h // Q, h % Q
-        _read(S[h], k[p, 0, r], error, _gates(decay, p, 0, r))
-        error, ahead = _delta_token(S[h], S_out[h], q, k, v, beta, decay, out, error, ahead,
-                                    p, 0, r)  # fmt: skip
-        for t in range(1, T):
-            error, ahead = _delta_token(None, S_out[h], q, k, v, beta, decay, out, error,
-                                        ahead, p, t, r)  # fmt: skip
+    ``(P, T, Q, m or 1)`` (ones for no decay), each axis of length 1 shared (:func:`_row`);
+    state ``h`` is token row ``(h // Q, h % Q)``. ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q,
+    c)`` and ``S_out`` written. Up to ``width`` states of a token row run token by token
+    together (:data:`ACROSS_BYTES`), each with its own scratch rows."""
+    T, Q = out.shape[1:3]
+    width = max(1, min(Q, hi - lo, width))
+    error = _scratch(v, width)  # (width, c): S'^T k, then beta (v - S'^T k), per state
+    ahead = _scratch(v, width)  # the next token's S'^T k, summed as S_t is written
+    first = lo
+    while first < hi:
+        last = _block_end(first, hi, Q, width)
+        for t in range(T):
+            for h in range(first, last):
+                p, r, e, a = h // Q, h % Q, error[h - first], ahead[h - first]
+                if t == 0:
+                    _read(S[h], _row(k, p, 0, r), e, _row(decay, p, 0, r))
+                    _delta_token(S[h], S_out[h], q, k, v, beta, decay, out, e, a, p, 0, r)
+                else:
+                    _delta_token(None, S_out[h], q, k, v, beta, decay, out, e, a, p, t, r)
+            error, ahead = ahead, error
+        first = last
 
 
 def _delta_token(
     source: Any, state: Any, q: Any, k: Any, v: Any, beta: Any, decay: Any, out: Any,
     error: Any, ahead: Any, p: int, t: int, r: int,
-) -> tuple[Any, Any]:
+) -> None:
     """Token ``t`` of :func:`delta_tokens` from ``source`` into ``state`` (in place where
-    ``source`` is ``None``), ``error`` holding its read ``S'^T k``; returns the next token's
-    ``(error, ahead)``."""
-    gates, key, b, value = _gates(decay, p, t, r), k[p, t, r], beta[p, t, r, 0], v[p, t, r]
+    ``source`` is ``None``), ``error`` holding its read ``S'^T k``; ``ahead`` gets the next
+    token's."""
+    gates, key, value = _row(decay, p, t, r), _row(k, p, t, r), _row(v, p, t, r)
+    b = _row(beta, p, t, r)[0]
     for j in range(error.shape[0]):
         error[j] = b * (value[j] - error[j])
-    if t + 1 < k.shape[1]:
+    if t + 1 < out.shape[1]:
         _decay_and_add(
-            source, state, out[p, t, r], gates, key, q[p, t, r], error, ahead=ahead,
-            ahead_weights=k[p, t + 1, r], ahead_gates=_gates(decay, p, t + 1, r),
+            source, state, out[p, t, r], gates, key, _row(q, p, t, r), error, ahead=ahead,
+            ahead_weights=_row(k, p, t + 1, r), ahead_gates=_row(decay, p, t + 1, r),
         )  # fmt: skip
-        return ahead, error
-    _decay_and_add(source, state, out[p, t, r], gates, key, q[p, t, r], error)
-    return error, ahead
+    else:
+        _decay_and_add(source, state, out[p, t, r], gates, key, _row(q, p, t, r), error)
 
 
 def linear_tokens(
     q: Any, k: Any, v: Any, decay: Any, S: Any, z: Any, out: Any, S_out: Any, z_out: Any,
-    den: Any, lo: int, hi: int,
+    den: Any, width: int, lo: int, hi: int,
 ) -> None:
     """Linear attention over ``T`` tokens for the states ``lo`` to ``hi``: ``q, k, v, decay``
     as for :func:`delta_tokens`, ``S`` ``(n, m, c)`` and ``z`` ``(n, m)`` read; ``out``
     ``(P, T, Q, c)`` (the numerators ``S_t^T q``), ``S_out``, ``z_out`` and ``den``
     ``(P, T, Q, 1)`` (the normalizers ``z_t^T q``; ``None``: not computed) written."""
-    T, Q = k.shape[1:3]
-    for h in range(lo, hi):
-        p, r = h // Q, h % Q
-        _linear_token(S[h], z[h], S_out[h], z_out[h], q, k, v, decay, out, den, p, 0, r)
-        for t in range(1, T):
-            _linear_token(None, None, S_out[h], z_out[h], q, k, v, decay, out, den, p, t, r)
+    T, Q = out.shape[1:3]
+    width = max(1, min(Q, hi - lo, width))
+    first = lo
+    while first < hi:
+        last = _block_end(first, hi, Q, width)
+        for t in range(T):
+            for h in range(first, last):
+                p, r = h // Q, h % Q
+                if t == 0:
+                    _linear_token(S[h], z[h], S_out[h], z_out[h], q, k, v, decay, out, den, p,
+                                  0, r)  # fmt: skip
+                else:
+                    _linear_token(None, None, S_out[h], z_out[h], q, k, v, decay, out, den,
+                                  p, t, r)  # fmt: skip
+        first = last
 
 
 def _linear_token(
@@ -143,7 +163,8 @@ def _linear_token(
     ``z_state`` (in place where they are ``None``). Without normalizers (``den`` ``None``) the
     keys' sum ``z`` is a loop of its own after the state's: in the state's loop its store and
     the normalizer's sum make GLA's loop at 32 x 64, T = 512, 1.2x longer."""
-    gates, key, query, value = _gates(decay, p, t, r), k[p, t, r], q[p, t, r], v[p, t, r]
+    gates, key, query = _row(decay, p, t, r), _row(k, p, t, r), _row(q, p, t, r)
+    value = _row(v, p, t, r)
     o = out[p, t, r]
     if den is None:
         _decay_and_add(source, state, o, gates, key, query, value)
@@ -167,59 +188,72 @@ def _decay_keys(z_source: Any, z_state: Any, gates: Any, key: Any) -> None:
 
 
 def dplr_tokens(
-    q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any, S: Any, out: Any, S_out: Any, lo: int,
-    hi: int,
+    q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any, S: Any, out: Any, S_out: Any,
+    width: int, lo: int, hi: int,
 ) -> None:
     """The generalized delta rule over ``T`` tokens for the states ``lo`` to ``hi``: ``q, k,
     a, b`` ``(P, T, Q, m)``, ``v`` ``(P, T, Q, c)``, ``decay`` as for :func:`delta_tokens`,
     ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q, c)`` and ``S_out`` written. ``a^T S`` is
     read before the decay."""
-    T, Q = k.shape[1:3]
-    read = _scratch(v)  # (c,): a^T S
-    ahead = _scratch(v)  # (c,): the next token's a^T S, summed as S_t is written
-    for h in range(lo, hi):
-        p, r = h // Q, h % Q
-        _read(S[h], a[p, 0, r], read)
-        read, ahead = _dplr_token(S[h], S_out[h], q, k, v, a, b, decay, out, read, ahead,
-                                  p, 0, r)  # fmt: skip
-        for t in range(1, T):
-            read, ahead = _dplr_token(None, S_out[h], q, k, v, a, b, decay, out, read, ahead,
-                                      p, t, r)  # fmt: skip
+    T, Q = out.shape[1:3]
+    width = max(1, min(Q, hi - lo, width))
+    read = _scratch(v, width)  # (width, c): a^T S, per state
+    ahead = _scratch(v, width)  # the next token's a^T S, summed as S_t is written
+    first = lo
+    while first < hi:
+        last = _block_end(first, hi, Q, width)
+        for t in range(T):
+            for h in range(first, last):
+                p, r, e, n = h // Q, h % Q, read[h - first], ahead[h - first]
+                if t == 0:
+                    _read(S[h], _row(a, p, 0, r), e)
+                    _dplr_token(S[h], S_out[h], q, k, v, a, b, decay, out, e, n, p, 0, r)
+                else:
+                    _dplr_token(None, S_out[h], q, k, v, a, b, decay, out, e, n, p, t, r)
+            read, ahead = ahead, read
+        first = last
 
 
 def _dplr_token(
     source: Any, state: Any, q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any, out: Any,
     read: Any, ahead: Any, p: int, t: int, r: int,
-) -> tuple[Any, Any]:
+) -> None:
     """Token ``t`` of :func:`dplr_tokens` (as :func:`_delta_token`), ``read`` its ``a^T S``;
-    returns the next token's ``(read, ahead)``."""
-    gates, key, query = _gates(decay, p, t, r), k[p, t, r], q[p, t, r]
-    value, o, low = v[p, t, r], out[p, t, r], b[p, t, r]
-    if t + 1 < k.shape[1]:
+    ``ahead`` gets the next token's."""
+    gates, key, query = _row(decay, p, t, r), _row(k, p, t, r), _row(q, p, t, r)
+    value, o, low = _row(v, p, t, r), out[p, t, r], _row(b, p, t, r)
+    if t + 1 < out.shape[1]:
         _dplr_rows(source, state, o, gates, key, query, value, low, read, ahead,
-                   a[p, t + 1, r])  # fmt: skip
-        return ahead, read
-    _dplr_rows(source, state, o, gates, key, query, value, low, read)
-    return read, ahead
+                   _row(a, p, t + 1, r))  # fmt: skip
+    else:
+        _dplr_rows(source, state, o, gates, key, query, value, low, read)
 
 
 # The kernels' shared pieces: plain functions that the kernels call, compiled by Numba in their
 # place before the first kernel compiles (:func:`_compile_pieces`).
 
 
-def _scratch(v: Any) -> Any:
-    """A new row ``(c,)`` for the values ``v`` ``(P, T, Q, c)``, of their dtype, at an address
-    that is a multiple of :data:`ALIGNMENT` (Numba's own arrays are at multiples of 32 bytes)."""
+def _scratch(v: Any, rows: int) -> Any:
+    """New rows ``(rows, c)`` for the values ``v`` ``(P, T, Q, c)``, of their dtype, starting at
+    an address that is a multiple of :data:`ALIGNMENT` (Numba's own arrays are at multiples of
+    32 bytes)."""
     width = v.shape[3]
-    buffer = _NUMPY.empty(width + ALIGNMENT // v.itemsize, v.dtype)
+    buffer = _NUMPY.empty(rows * width + ALIGNMENT // v.itemsize, v.dtype)
     start = (-buffer.ctypes.data % ALIGNMENT) // v.itemsize
-    return buffer[start : start + width]
+    return buffer[start : start + rows * width].reshape(rows, width)
 
 
-def _gates(decay: Any, p: int, t: int, r: int) -> Any:
-    """The decay factors of state ``(p, r)`` at token ``t`` (an axis of length 1 broadcast)."""
-    P, T, Q = decay.shape[:3]
-    return decay[p if P > 1 else 0, t if T > 1 else 0, r if Q > 1 else 0]
+def _block_end(first: int, hi: int, Q: int, width: int) -> int:
+    """The end of the block of states from ``first`` that run together: at most ``width``,
+    within ``hi`` and within the token row of ``first``."""
+    return min(hi, (first // Q + 1) * Q, first + width)
+
+
+def _row(x: Any, p: int, t: int, r: int) -> Any:
+    """Token ``t``'s row of state ``(p, r)`` in the per-token array ``x`` ``(P, T, Q, width)``,
+    whose axes of length 1 are shared (the decay of every token, keys shared by every head)."""
+    P, T, Q = x.shape[:3]
+    return x[p if P > 1 else 0, t if T > 1 else 0, r if Q > 1 else 0]
 
 
 def _gate(gates: Any, i: int) -> Any:
@@ -418,8 +452,8 @@ def _exp_constants(numpy: Any) -> Any:
     return constants
 
 
-_PIECES = ("_scratch", "_gates", "_gate", "_read", "_decay_and_add", "_dplr_rows",
-           "_delta_token", "_dplr_token", "_linear_token", "_decay_keys")  # fmt: skip
+_PIECES = ("_scratch", "_block_end", "_row", "_gate", "_read", "_decay_and_add",
+           "_dplr_rows", "_delta_token", "_dplr_token", "_linear_token", "_decay_keys")  # fmt: skip
 #: Compiled apart (see :func:`_compile_pieces`); ``_linear_token`` also so that its test of
 #: ``den`` is decided where it compiles for ``den`` of ``None``.
 _LOOPS = ("_read", "_decay_and_add", "_dplr_rows", "_linear_token", "_decay_keys")
@@ -553,7 +587,10 @@ def compiled_tokens(
     numpy: Any = loaded_numpy()  # imported: views were made
     state, dtype = views[0], views[0].dtype
     m, c = state.shape[-2:]
-    layout = _Layout(numpy, state.shape[:-2], 1 if step else tokens[0].shape[-2], views[1], step)
+    width = max(1, ACROSS_BYTES // (m * c * dtype.itemsize))  # states run together
+    # laid out as the values are (q and k may be shared by the states: broadcast)
+    layout = _Layout(numpy, state.shape[:-2], 1 if step else tokens[0].shape[-2], views[3],
+                     step, width > 1)  # fmt: skip
     n, T = layout.n, layout.T
     flat: list[Any] = []
     for i, x in enumerate(views[1 : len(tokens) + 1 + (decay is not None)]):
@@ -579,9 +616,9 @@ def compiled_tokens(
         results += [aligned_empty(numpy, (n, m), dtype), den]
     parts = min(n, kernel_threads(state is not S), n * T * m * c // PART_SIZE)
     if parts > 1:
-        in_parts(run, [*flat, *results], n, parts)
+        in_parts(run, [*flat, *results, width], n, parts)
     else:
-        run(*flat, *results, 0, n)
+        run(*flat, *results, width, 0, n)
     if scale != 1.0 and scale_output:
         results[0] *= scale
     if eps is not None and z is not None:
@@ -602,16 +639,20 @@ class _Layout:
     ``(P, T, Q, width)``, the state ``h`` being token row ``(h // Q, h % Q)``.
 
     Head-major (``Q = 1``) for one token, for arrays laid out ``(..., T, width)`` and for
-    arrays of more than :data:`HEAD_MAJOR_BYTES` (copied); token-major where ``q`` is a view of
-    an array whose last ``after`` leading dimensions follow the token axis in memory (``(B, T,
-    H, d)`` seen as ``(B, H, T, d)``: ``after = 1``, ``Q = H``), so that the caller's arrays
-    are read where they are."""
+    arrays of more than :data:`HEAD_MAJOR_BYTES` whose states the kernel updates one at a time
+    (not ``together``, :data:`ACROSS_BYTES`; copied); token-major where the values ``v`` are a
+    view of an array whose last ``after`` leading dimensions follow the token axis in memory
+    (``(B, T, H, d)`` seen as ``(B, H, T, d)``: ``after = 1``, ``Q = H``), so that the
+    caller's arrays are read where they are. Axes of length 1 that the states share (a
+    broadcast array's) stay of length 1: the kernels read them for every state."""
 
-    def __init__(self, numpy: Any, lead: tuple[int, ...], T: int, q: Any, step: bool) -> None:
+    def __init__(
+        self, numpy: Any, lead: tuple[int, ...], T: int, v: Any, step: bool, together: bool
+    ) -> None:
         self.numpy, self.lead, self.T, self.step = numpy, lead, T, step
         self.n = math.prod(lead)
-        copied = step or q.nbytes > HEAD_MAJOR_BYTES
-        self.split = len(lead) - (0 if copied else _token_major(numpy, q, lead))
+        copied = step or (v.nbytes > HEAD_MAJOR_BYTES and not together)
+        self.split = len(lead) - (0 if copied else _token_major(numpy, v, lead))
         self.Q = math.prod(lead[self.split :])
 
     def read(self, x: Any, rows: int) -> Any | None:
@@ -626,7 +667,12 @@ class _Layout:
             x = numpy.broadcast_to(x, (*want, width))
         if not self.step:
             x = numpy.moveaxis(x, -2, self.split)
-        return numpy.ascontiguousarray(x.reshape(self.n // self.Q, rows, self.Q, width))
+        x = x.reshape(self.n // self.Q, rows, self.Q, width)  # a copy where no view is
+        if x.strides[0] == 0 and x.shape[0] > 1:  # shared by the states: read once, not copied
+            x = x[:1]
+        if x.strides[2] == 0 and x.shape[2] > 1:
+            x = x[:, :, :1]
+        return numpy.ascontiguousarray(x)
 
     def empty(self, width: int, dtype: Any, apart: Any = None) -> Any:
         """A result the kernels write, ``(P, T, Q, width)`` (``apart``: see
@@ -667,9 +713,18 @@ def aligned_empty(numpy: Any, shape: tuple[int, ...], dtype: Any, apart: Any = N
     return buffer[start : start + size].reshape(shape)
 
 
-#: The size above which a token-major array is read from a head-major copy: a head's token
-#: rows then lie a page or more apart in arrays larger than the caches, each row a miss that
-#: the prefetchers do not see coming (the gated delta rule at 16 x 64, T = 4096, 16 MiB per
+#: The bytes of states that a kernel updates token by token together (``width`` states of a
+#: token row): in token-major arrays a token's rows of the states lie side by side, read in
+#: the order they lie in memory, while the states stay in the core's cache (a Zen 4 core's
+#: second level holds 1 MiB). GLA's and RWKV-7's loops at 32 x 64, T = 512, took 0.84-0.88x
+#: the time of one state after another, the gated delta rule's at 32 x 128 0.85x (8 at once).
+ACROSS_BYTES = 1 << 19
+
+
+#: The size above which a token-major array is read from a head-major copy where the kernel
+#: updates one state at a time (each state above :data:`ACROSS_BYTES`): a head's token rows
+#: then lie a page or more apart in arrays larger than the caches, each row a miss that the
+#: prefetchers do not see coming (the gated delta rule at 16 x 64, T = 4096, 16 MiB per
 #: array, Zen 4: 0.73-0.74x the time with the copies; at T = 512, 2 MiB, 1.01-1.04x; RWKV-7 at
 #: 32 x 64, T = 512, 4 MiB, 1.14x; at 32 x 128, T = 1024, 16 MiB, 1.00x).
 HEAD_MAJOR_BYTES = 1 << 23

@@ -174,7 +174,7 @@ class CompiledStep:
             flat.append(numpy.ascontiguousarray(given[-1].reshape(n, m)))
             den = None if self._eps is None else numpy.empty((n, 1, 1, 1), dtype=dtype)
             results += [numpy.empty((n, m), dtype=dtype), den]  # no normalizers: none computed
-        run(*flat, *results, 0, n)
+        run(*flat, *results, 1, 0, n)  # one token: the states one by one
         out = results[0]
         if self._scale != 1.0 and self._scale_output:
             out *= self._scale
