@@ -427,20 +427,19 @@ DELTA_CHUNK = 32
 def token_loop(case: Case, backend: Backend) -> bool:
     """Whether a prefill runs its recurrent form, polylin's compiled token loop
     (``polylin._backend.compiled``: Numba installed, NumPy or PyTorch), instead of the chunked
-    form: where a head's state is at most 64 x 64 (16 KiB in float32, in a core's L1 cache with
-    its second buffer), and for the delta rules (the gated delta rule, KDA) on NumPy at any
-    size. At ggml's shapes on a Zen 3 core (``docs/performance.md``, "Compiled token loops"),
-    the loop took 0.67-1.00x the chunked form's time at 64 x 64 (RWKV-7, GLA, the gated delta
-    rule at 16 x 64); at 128 channels 0.73-0.90x on NumPy for the delta rules (0.42-0.53x on
-    two threads, where NumPy's chunked form does not scale) but 0.87-1.15x on PyTorch, and
-    1.5-1.8x for Mamba-2's state of 128 (linear attention's loop)."""
+    form: where a head's state is at most 64 x 64 (16 KiB in float32), and for the delta rules
+    (the gated delta rule, KDA) at any size. At ggml's shapes on a Zen 4 core
+    (``docs/performance.md``, "Compiled token loops"), with the states of a token row updated
+    together, the loop took 0.73-0.86x the chunked form's time for the delta rules at 128
+    channels on PyTorch (one and two threads; 0.40-0.76x on NumPy), and 1.26-1.44x for
+    Mamba-2's state of 128 (linear attention's loop)."""
     if case.family == "conv" or backend not in (Backend.NUMPY, Backend.TORCH):
         return False
     if not compiled_available():
         return False
     sizes = dict(case.sizes)
     delta_rule = case.family in ("gdn", "kda")
-    return max(sizes["d"], sizes.get("N", 0)) <= 64 or (delta_rule and backend is Backend.NUMPY)
+    return max(sizes["d"], sizes.get("N", 0)) <= 64 or delta_rule
 
 
 def polylin_call(case: Case, backend: Backend, x: dict[str, Any]) -> Callable[[], Any]:
