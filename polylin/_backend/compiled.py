@@ -100,12 +100,12 @@ def delta_tokens(
         last = _block_end(first, hi, Q, width)
         for t in range(T):
             for h in range(first, last):
-                p, r, e, a = h // Q, h % Q, error[h - first], ahead[h - first]
+                p, r, now, then = h // Q, h % Q, error[h - first], ahead[h - first]
                 if t == 0:
-                    _read(S[h], _row(k, p, 0, r), e, _row(decay, p, 0, r))
-                    _delta_token(S[h], S_out[h], q, k, v, beta, decay, out, e, a, p, 0, r)
+                    _read(S[h], _row(k, p, 0, r), now, _row(decay, p, 0, r))
+                    _delta_token(S[h], S_out[h], q, k, v, beta, decay, out, now, then, p, 0, r)
                 else:
-                    _delta_token(None, S_out[h], q, k, v, beta, decay, out, e, a, p, t, r)
+                    _delta_token(None, S_out[h], q, k, v, beta, decay, out, now, then, p, t, r)
             error, ahead = ahead, error
         first = last
 
@@ -204,12 +204,12 @@ def dplr_tokens(
         last = _block_end(first, hi, Q, width)
         for t in range(T):
             for h in range(first, last):
-                p, r, e, n = h // Q, h % Q, read[h - first], ahead[h - first]
+                p, r, now, then = h // Q, h % Q, read[h - first], ahead[h - first]
                 if t == 0:
-                    _read(S[h], _row(a, p, 0, r), e)
-                    _dplr_token(S[h], S_out[h], q, k, v, a, b, decay, out, e, n, p, 0, r)
+                    _read(S[h], _row(a, p, 0, r), now)
+                    _dplr_token(S[h], S_out[h], q, k, v, a, b, decay, out, now, then, p, 0, r)
                 else:
-                    _dplr_token(None, S_out[h], q, k, v, a, b, decay, out, e, n, p, t, r)
+                    _dplr_token(None, S_out[h], q, k, v, a, b, decay, out, now, then, p, t, r)
             read, ahead = ahead, read
         first = last
 
