@@ -70,6 +70,20 @@ def _inputs(library: str, dtype: str, gate: str, seed: int = 0) -> dict[str, Any
     return {n: torch.from_numpy(a) for n, a in x.items()} if library == "torch" else x
 
 
+#: Each kernel's per-token arrays, in its order.
+TOKENS = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
+          "dplr": ("q", "k", "v", "a", "b")}  # fmt: skip
+
+
+def _token_major(name: str) -> tuple[dict[str, Any], list[np.ndarray], np.ndarray | None]:
+    """Float32 inputs of kernel ``name``: ``x``, its per-token arrays as token-major views
+    ``(B, H, T, w)`` and the decay factors last, and linear attention's ``z`` (else ``None``)."""
+    x = _inputs("numpy", "float32", "channel")
+    tokens = [x[n].transpose(0, 2, 1, 3) for n in (*TOKENS[name], "g")]
+    tokens[-1] = np.exp(tokens[-1])
+    return x, tokens, x["S"][..., 0] if name == "linear" else None
+
+
 FAMILIES = {
     "delta": lambda x, method, **options: polylin.delta_rule_attention(
         x["q"], x["k"], x["v"], x["beta"], log_decay=x.get("g"), initial_state=x["S"],
@@ -223,8 +237,7 @@ def _layouts(x: np.ndarray) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("name", ["delta", "linear", "dplr"])
 def test_every_layout_of_the_tokens_gives_the_same_bits(name: str) -> None:
     x = _inputs("numpy", "float64", "channel")
-    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
-             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
+    names = TOKENS[name]
     tokens = [x[n].transpose(0, 2, 1, 3) for n in (*names, "g")]  # (B, H, T, w) values
     tokens[-1] = np.exp(tokens[-1])
     z = x["S"][..., 0] if name == "linear" else None
@@ -251,8 +264,7 @@ def test_a_sequence_gives_the_bits_of_its_steps(name: str, gate: str, dtype: str
     """A loop over T tokens (the delta rules: each token's read of the state summed in the
     previous token's pass) gives the bits of T one-token calls, each reading its state anew."""
     x = _inputs("numpy", dtype, gate)
-    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
-             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
+    names = TOKENS[name]
     tokens = [x[n].transpose(0, 2, 1, 3) for n in names]  # (B, H, T, w)
     decay = np.exp(x["g"].transpose(0, 2, 1, 3)) if gate != "none" else None
     S, z = x["S"], (x["S"][..., 0] if name == "linear" else None)
@@ -435,8 +447,7 @@ def test_results_start_at_cache_lines_and_misaligned_values_give_the_same_bits(
     (read from a copy at such an address) give the same bits; the caller's arrays are not
     written."""
     x = _inputs("numpy", "float32", "channel")
-    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
-             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
+    names = TOKENS[name]
     tokens = [np.ascontiguousarray(x[n].transpose(0, 2, 1, 3)) for n in names]
     v = tokens[2]
     buffer = np.zeros(v.size + 32, dtype=v.dtype)
@@ -497,12 +508,7 @@ def test_large_token_major_arrays_are_read_from_head_major_copies(
     comes head-major) where the kernel updates the states one at a time (each larger than
     ``ACROSS_BYTES``), with the same bits as read where they are; states that run together
     read them where they are."""
-    x = _inputs("numpy", "float32", "channel")
-    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
-             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
-    tokens = [x[n].transpose(0, 2, 1, 3) for n in (*names, "g")]  # token-major views
-    tokens[-1] = np.exp(tokens[-1])
-    z = x["S"][..., 0] if name == "linear" else None
+    x, tokens, z = _token_major(name)
     read = compiled.compiled_tokens(name, tokens[:-1], tokens[-1], x["S"], z, step=False)
     monkeypatch.setattr(compiled, "HEAD_MAJOR_BYTES", tokens[0].nbytes - 1)
     together = compiled.compiled_tokens(name, tokens[:-1], tokens[-1], x["S"], z, step=False)
@@ -524,12 +530,7 @@ def test_states_updated_together_give_the_bits_of_one_at_a_time(
     """The states of a token row that the kernel updates token by token together (as many as
     ``ACROSS_BYTES`` holds: blocks of 1, 2 and all 3 heads, within each thread's part of the
     states) give the bits of each state's tokens run on their own."""
-    x = _inputs("numpy", "float32", "channel")
-    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
-             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
-    tokens = [x[n].transpose(0, 2, 1, 3) for n in (*names, "g")]  # token-major views
-    tokens[-1] = np.exp(tokens[-1])
-    z = x["S"][..., 0] if name == "linear" else None
+    x, tokens, z = _token_major(name)
     widths: list[int] = []
     real = compiled.kernel
 
@@ -561,8 +562,7 @@ def test_shared_token_rows_are_read_for_every_state_not_copied(
     """Keys and queries shared by every state (Mamba-2's ``B`` and ``C`` of one group) reach
     the kernel as one state's, not copied to each, and give the bits of the copies."""
     x = _inputs("numpy", "float32", "channel")
-    names = {"delta": ("q", "k", "v", "beta"), "linear": ("q", "k", "v"),
-             "dplr": ("q", "k", "v", "a", "b")}[name]  # fmt: skip
+    names = TOKENS[name]
     tokens = [x[n].transpose(0, 2, 1, 3) for n in names]  # (B, H, T, w) token-major views
     if layout == "head-major":
         tokens = [np.ascontiguousarray(t) for t in tokens]
