@@ -91,32 +91,16 @@ def delta_tokens(
     state ``h`` is token row ``(h // Q, h % Q)``. ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q,
     c)`` and ``S_out`` written. Up to ``width`` states of a token row run token by token
     together (:data:`ACROSS_BYTES`), each with its own scratch rows."""
-    T, Q = out.shape[1:3]
-    width = max(1, min(Q, hi - lo, width))
-    error = _scratch(v, width)  # (width, c): S'^T k, then beta (v - S'^T k), per state
-    ahead = _scratch(v, width)  # the next token's S'^T k, summed as S_t is written
-    first = lo
-    while first < hi:
-        last = _block_end(first, hi, Q, width)
-        for t in range(T):
-            for h in range(first, last):
-                p, r, now, then = h // Q, h % Q, error[h - first], ahead[h - first]
-                if t == 0:
-                    _read(S[h], _row(k, p, 0, r), now, _row(decay, p, 0, r))
-                    _delta_token(S[h], S_out[h], q, k, v, beta, decay, out, now, then, p, 0, r)
-                else:
-                    _delta_token(None, S_out[h], q, k, v, beta, decay, out, now, then, p, t, r)
-            error, ahead = ahead, error
-        first = last
+    _by_tokens(_delta_token, (q, k, v, beta, decay, out), k, decay, S, S_out, width, lo, hi)
 
 
 def _delta_token(
-    source: Any, state: Any, q: Any, k: Any, v: Any, beta: Any, decay: Any, out: Any,
-    error: Any, ahead: Any, p: int, t: int, r: int,
+    source: Any, state: Any, arrays: tuple, error: Any, ahead: Any, p: int, t: int, r: int
 ) -> None:
-    """Token ``t`` of :func:`delta_tokens` from ``source`` into ``state`` (in place where
-    ``source`` is ``None``), ``error`` holding its read ``S'^T k``; ``ahead`` gets the next
-    token's."""
+    """Token ``t`` of :func:`delta_tokens` (``arrays``: its ``q, k, v, beta, decay, out``) from
+    ``source`` into ``state`` (in place where ``source`` is ``None``), ``error`` holding its
+    read ``S'^T k``; ``ahead`` gets the next token's."""
+    q, k, v, beta, decay, out = arrays
     gates, key, value = _row(decay, p, t, r), _row(k, p, t, r), _row(v, p, t, r)
     b = _row(beta, p, t, r)[0]
     for j in range(error.shape[0]):
@@ -195,31 +179,15 @@ def dplr_tokens(
     a, b`` ``(P, T, Q, m)``, ``v`` ``(P, T, Q, c)``, ``decay`` as for :func:`delta_tokens`,
     ``S`` ``(n, m, c)`` read; ``out`` ``(P, T, Q, c)`` and ``S_out`` written. ``a^T S`` is
     read before the decay."""
-    T, Q = out.shape[1:3]
-    width = max(1, min(Q, hi - lo, width))
-    read = _scratch(v, width)  # (width, c): a^T S, per state
-    ahead = _scratch(v, width)  # the next token's a^T S, summed as S_t is written
-    first = lo
-    while first < hi:
-        last = _block_end(first, hi, Q, width)
-        for t in range(T):
-            for h in range(first, last):
-                p, r, now, then = h // Q, h % Q, read[h - first], ahead[h - first]
-                if t == 0:
-                    _read(S[h], _row(a, p, 0, r), now)
-                    _dplr_token(S[h], S_out[h], q, k, v, a, b, decay, out, now, then, p, 0, r)
-                else:
-                    _dplr_token(None, S_out[h], q, k, v, a, b, decay, out, now, then, p, t, r)
-            read, ahead = ahead, read
-        first = last
+    _by_tokens(_dplr_token, (q, k, v, a, b, decay, out), a, None, S, S_out, width, lo, hi)
 
 
 def _dplr_token(
-    source: Any, state: Any, q: Any, k: Any, v: Any, a: Any, b: Any, decay: Any, out: Any,
-    read: Any, ahead: Any, p: int, t: int, r: int,
+    source: Any, state: Any, arrays: tuple, read: Any, ahead: Any, p: int, t: int, r: int
 ) -> None:
-    """Token ``t`` of :func:`dplr_tokens` (as :func:`_delta_token`), ``read`` its ``a^T S``;
-    ``ahead`` gets the next token's."""
+    """Token ``t`` of :func:`dplr_tokens` (``arrays``: its ``q, k, v, a, b, decay, out``), as
+    :func:`_delta_token`, ``read`` its ``a^T S``; ``ahead`` gets the next token's."""
+    q, k, v, a, b, decay, out = arrays
     gates, key, query = _row(decay, p, t, r), _row(k, p, t, r), _row(q, p, t, r)
     value, o, low = _row(v, p, t, r), out[p, t, r], _row(b, p, t, r)
     if t + 1 < out.shape[1]:
@@ -227,6 +195,38 @@ def _dplr_token(
                    _row(a, p, t + 1, r))  # fmt: skip
     else:
         _dplr_rows(source, state, o, gates, key, query, value, low, read)
+
+
+def _by_tokens(
+    token: Any, arrays: tuple, weights: Any, gates: Any, S: Any, S_out: Any, width: int, lo: int,
+    hi: int,
+) -> None:
+    """The delta rules' loop over the states ``lo`` to ``hi`` and their tokens: ``token(source,
+    state, arrays, now, then, p, t, r)`` for each (:func:`_delta_token`, :func:`_dplr_token`;
+    ``arrays`` end with ``out``, its ``v`` third), up to ``width`` states of a token row token by
+    token together, each with two scratch rows: ``now`` holds the token's read of the state,
+    ``then`` gets the next token's. The first read is ``S^T weights`` (each weight times its
+    gate where ``gates`` are given)."""
+    out, v = arrays[-1], arrays[2]
+    T, Q = out.shape[1:3]
+    width = max(1, min(Q, hi - lo, width))
+    now_rows, then_rows = _scratch(v, width), _scratch(v, width)
+    first = lo
+    while first < hi:
+        last = _block_end(first, hi, Q, width)
+        for t in range(T):
+            for h in range(first, last):
+                p, r, now, then = h // Q, h % Q, now_rows[h - first], then_rows[h - first]
+                if t == 0:
+                    if gates is None:
+                        _read(S[h], _row(weights, p, 0, r), now)
+                    else:
+                        _read(S[h], _row(weights, p, 0, r), now, _row(gates, p, 0, r))
+                    token(S[h], S_out[h], arrays, now, then, p, 0, r)
+                else:
+                    token(None, S_out[h], arrays, now, then, p, t, r)
+            now_rows, then_rows = then_rows, now_rows
+        first = last
 
 
 # The kernels' shared pieces: plain functions that the kernels call, compiled by Numba in their
@@ -452,7 +452,7 @@ def _exp_constants(numpy: Any) -> Any:
     return constants
 
 
-_PIECES = ("_scratch", "_block_end", "_row", "_gate", "_read", "_decay_and_add",
+_PIECES = ("_by_tokens", "_scratch", "_block_end", "_row", "_gate", "_read", "_decay_and_add",
            "_dplr_rows", "_delta_token", "_dplr_token", "_linear_token", "_decay_keys")  # fmt: skip
 #: Compiled apart (see :func:`_compile_pieces`); ``_linear_token`` also so that its test of
 #: ``den`` is decided where it compiles for ``den`` of ``None``.
