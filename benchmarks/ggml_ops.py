@@ -516,6 +516,13 @@ def output(case: Case, result: Any) -> Any:
 
 #: The largest error allowed against the float64 reference, relative to the output's scale.
 TOLERANCE = 1e-3
+
+#: Seconds between a case's check and its timing on more than one thread: the threads of
+#: NumPy's BLAS and PyTorch's OpenMP spin on after their last product (OpenBLAS for up to 2^28
+#: cycles, Intel's OpenMP 200 ms), and a token loop split between two threads then shares a
+#: core with them, at one thread's speed (``docs/performance.md``, "Two threads beside other
+#: pools"): the case before, a chunked form's, must not slow the next one down.
+SETTLE_S = 0.3
 #: ``torch.compile`` is polylin's PyTorch call compiled whole (``--backends torch.compile``),
 #: ``jax.jit`` its JAX call under ``jax.jit`` (the arrays traced arguments)
 BACKENDS = {
@@ -538,9 +545,11 @@ def _checked(case: Case, name: str, got: Any, want: np.ndarray, backend: Backend
 
 
 def time_polylin(
-    chosen: list[Case], backends: list[str], repeats: int, budget_s: float, floors: bool = False
+    chosen: list[Case], backends: list[str], repeats: int, budget_s: float, floors: bool = False,
+    settle_s: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """Each case on each backend: the error against :func:`reference`, then the times.
+    """Each case on each backend: the error against :func:`reference`, then, ``settle_s``
+    seconds later (:data:`SETTLE_S`), the times.
 
     A call whose error exceeds :data:`TOLERANCE` raises: nothing unchecked is timed. On
     ``torch.compile`` and ``jax.jit`` the first call's time (the compilation) is ``compile_s``. With
@@ -563,6 +572,7 @@ def time_polylin(
             error = _checked(case, name, output(case, fn()), want, backend)
             if name.endswith((".compile", ".jit")):
                 extra["compile_s"] = time.perf_counter() - start
+            time.sleep(settle_s)  # the pools of the check and of the case before go quiet
             mean, median, faults = second_of_calls(fn, repeats, budget_s)
             if floors and name == "torch":
                 extra.update(_floor(case, fn, mean, x, want, repeats, budget_s))
@@ -620,7 +630,8 @@ def _worker(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         case = chosen[line.strip()]
         print(json.dumps(time_polylin([case], args.backends, args.repeats, args.budget,
-                                      args.floors)), flush=True)  # fmt: skip
+                                      args.floors, SETTLE_S if threads > 1 else 0.0)),
+              flush=True)  # fmt: skip
 
 
 class PolylinWorker:

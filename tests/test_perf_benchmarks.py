@@ -304,6 +304,27 @@ def test_ggml_ops_floors(monkeypatch):
     assert f"{gla['floor_s'] * 1e3:.3f} ms ({share:.2f}x the loop's flops) |" in text
 
 
+def test_ggml_ops_times_a_case_after_the_pools_settle(monkeypatch):
+    """On more than one thread a case is timed ``settle_s`` after its check (the threads of the
+    products before it stop spinning); the worker asks for it only then."""
+    from benchmarks import ggml_ops
+
+    slept, timed = [], []
+    real = ggml_ops.second_of_calls
+
+    def second_of_calls(fn, repeats, budget_s):
+        timed.append(list(slept))
+        return real(fn, repeats, budget_s)
+
+    monkeypatch.setattr(ggml_ops.time, "sleep", slept.append)
+    monkeypatch.setattr(ggml_ops, "second_of_calls", second_of_calls)
+    case = next(c for c in ggml_ops.cases(quick=True) if c.family == "gla")
+    ggml_ops.time_polylin([case], ["numpy"], 1, 0.01, settle_s=ggml_ops.SETTLE_S)
+    assert timed == [[ggml_ops.SETTLE_S]] and ggml_ops.SETTLE_S >= 0.25  # Intel's 200 ms
+    ggml_ops.time_polylin([case], ["numpy"], 1, 0.01)
+    assert timed[1:] == [[ggml_ops.SETTLE_S, 0.0]]
+
+
 def test_ggml_report_judges_the_second_thread_from_t_512():
     """Prefill from T = 512 with both thread counts gets a goal of two threads over one per
     backend: the two-thread time over the one-thread time, at most 1 / 1.6, ggml's own gain
