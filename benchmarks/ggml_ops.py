@@ -518,10 +518,10 @@ def output(case: Case, result: Any) -> Any:
 TOLERANCE = 1e-3
 
 #: Seconds between a case's check and its timing on more than one thread: the threads of
-#: NumPy's BLAS and PyTorch's OpenMP spin on after their last product (OpenBLAS for up to 2^28
-#: cycles, Intel's OpenMP 200 ms), and a token loop split between two threads then shares a
-#: core with them, at one thread's speed (``docs/performance.md``, "Two threads beside other
-#: pools"): the case before, a chunked form's, must not slow the next one down.
+#: NumPy's BLAS and PyTorch's OpenMP spin on after their last product (OpenBLAS's for up to
+#: 2^28 cycles, a tenth of a second at 2.6 GHz), and a token loop split between two threads
+#: then shares a core with them, at one thread's speed (``docs/performance.md``, "Two threads
+#: beside other pools"): the case before, a chunked form's, must not slow the next one down.
 SETTLE_S = 0.3
 #: ``torch.compile`` is polylin's PyTorch call compiled whole (``--backends torch.compile``),
 #: ``jax.jit`` its JAX call under ``jax.jit`` (the arrays traced arguments)

@@ -320,7 +320,7 @@ def test_ggml_ops_times_a_case_after_the_pools_settle(monkeypatch):
     monkeypatch.setattr(ggml_ops, "second_of_calls", second_of_calls)
     case = next(c for c in ggml_ops.cases(quick=True) if c.family == "gla")
     ggml_ops.time_polylin([case], ["numpy"], 1, 0.01, settle_s=ggml_ops.SETTLE_S)
-    assert timed == [[ggml_ops.SETTLE_S]] and ggml_ops.SETTLE_S >= 0.25  # Intel's 200 ms
+    assert timed == [[ggml_ops.SETTLE_S]] and ggml_ops.SETTLE_S >= 0.2  # OpenBLAS's 2^28 cycles
     ggml_ops.time_polylin([case], ["numpy"], 1, 0.01)
     assert timed[1:] == [[ggml_ops.SETTLE_S, 0.0]]
 
