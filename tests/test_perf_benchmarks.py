@@ -305,8 +305,8 @@ def test_ggml_ops_floors(monkeypatch):
 
 
 def test_ggml_ops_times_a_case_after_the_pools_settle(monkeypatch):
-    """On more than one thread a case is timed ``settle_s`` after its check (the threads of the
-    products before it stop spinning); the worker asks for it only then."""
+    """A case is timed ``settle_s`` after its check (the threads of the products before it stop
+    spinning)."""
     from benchmarks import ggml_ops
 
     slept, timed = [], []
@@ -323,6 +323,37 @@ def test_ggml_ops_times_a_case_after_the_pools_settle(monkeypatch):
     assert timed == [[ggml_ops.SETTLE_S]] and ggml_ops.SETTLE_S >= 0.2  # OpenBLAS's 2^28 cycles
     ggml_ops.time_polylin([case], ["numpy"], 1, 0.01)
     assert timed[1:] == [[ggml_ops.SETTLE_S, 0.0]]
+
+
+def test_ggml_ops_worker_settles_on_more_than_one_thread(monkeypatch, capsys):
+    """The worker waits :data:`SETTLE_S` before each timing on two threads, not on one."""
+    import argparse
+    import io
+
+    import torch
+
+    from benchmarks import ggml_ops
+
+    seen = []
+
+    def time_polylin(chosen, backends, repeats, budget_s, floors, settle_s=0.0):
+        seen.append(settle_s)
+        return []
+
+    monkeypatch.setattr(ggml_ops, "pin", lambda threads: None)
+    monkeypatch.setattr(ggml_ops, "apply_allocator_regime", lambda: None)
+    monkeypatch.setattr(ggml_ops, "time_polylin", time_polylin)
+    name = ggml_ops.cases(quick=True)[0].name
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            monkeypatch.setattr(ggml_ops.sys, "stdin", io.StringIO(name + "\n"))
+            ggml_ops._worker(argparse.Namespace(
+                threads=[threads], quick=True, backends=["numpy"], repeats=1, budget=0.01,
+                floors=False))  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [0.0, ggml_ops.SETTLE_S]
 
 
 def test_ggml_report_judges_the_second_thread_from_t_512():
